@@ -1,0 +1,35 @@
+# Two commands on a fresh machine with python3, pip and make: `make demo`, `make test`.
+PYTHON ?= python3
+UV_VERSION := 0.9.30
+TOOLS := .tools
+UV := $(TOOLS)/bin/uv
+VENV := .venv
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export UV_PYTHON_DOWNLOADS := never
+
+.PHONY: demo test lint bench clean
+
+$(UV):
+	$(PYTHON) -m venv $(TOOLS)
+	$(TOOLS)/bin/pip install --quiet --disable-pip-version-check uv==$(UV_VERSION)
+
+$(VENV)/.synced: $(UV) pyproject.toml uv.lock
+	$(UV) sync --frozen --python $(PYTHON)
+	touch $@
+
+demo: $(VENV)/.synced
+	$(VENV)/bin/python flows/quickstart.py
+
+test: $(VENV)/.synced
+	$(VENV)/bin/python -m pytest
+
+lint: $(VENV)/.synced
+	$(VENV)/bin/ruff check kinetic_prefect tests flows blocks
+	$(VENV)/bin/ruff format --check kinetic_prefect tests flows blocks
+	$(VENV)/bin/mypy kinetic_prefect
+
+bench: $(VENV)/.synced
+	$(VENV)/bin/python -m pytest tests/benchmarks -s -p no:cacheprovider -o testpaths=tests/benchmarks
+
+clean:
+	rm -rf $(VENV) $(TOOLS) .kinetic

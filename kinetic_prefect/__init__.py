@@ -1,0 +1,41 @@
+"""Run Prefect tasks and flows in Kinetic accelerator pods.
+
+Example:
+    ```python
+    from prefect import flow, task
+    from kinetic_prefect import KineticTaskRunner
+
+    @task
+    def square(x: int) -> int:
+        return x * x
+
+    @flow(task_runner=KineticTaskRunner(accelerator="cpu"))
+    def squares(n: int) -> list[int]:
+        return [f.result() for f in square.map(range(n))]
+    ```
+"""
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "KineticFuture",
+    "KineticTaskRunner",
+    "resources",
+]
+
+_LAZY = {
+    "KineticTaskRunner": "kinetic_prefect.task_runner",
+    "KineticFuture": "kinetic_prefect.task_runner",
+    "resources": "kinetic_prefect.config",
+}
+
+
+def __getattr__(name: str) -> Any:
+    # Imports are lazy so that `python -m kinetic_prefect.pod` and the CLI start fast.
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'kinetic_prefect' has no attribute {name!r}")

@@ -1,0 +1,48 @@
+"""The contract between the task runner and a backend."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+# Secret name → key → value, as a Kubernetes Secret would hold them.
+Secrets = Mapping[str, Mapping[str, str]]
+
+
+@dataclass(frozen=True)
+class PodExit:
+    """How a pod ended, as the backend saw it (the pod's own report is read separately)."""
+
+    job_id: str
+    exit_code: int | None
+    signal: int | None = None
+    reason: str = ""
+    cancelled: bool = False
+    log_tail: str = ""
+
+    def describe(self) -> str:
+        if self.cancelled:
+            return "the pod was cancelled"
+        if self.signal is not None:
+            return f"the pod was killed by signal {self.signal}"
+        if self.reason:
+            return f"the pod ended: {self.reason} (exit code {self.exit_code})"
+        return f"the pod exited with code {self.exit_code}"
+
+
+OnExit = Callable[[PodExit], None]
+
+
+class Backend(Protocol):
+    """Launch, watch, cancel and read the logs of pods described by Job manifests."""
+
+    launch_count: int
+
+    def launch(self, manifest: dict[str, Any], on_exit: OnExit, secrets: Secrets) -> None: ...
+
+    def cancel(self, job_id: str) -> None: ...
+
+    def logs(self, job_id: str, tail: int | None = None) -> str: ...
+
+    def close(self) -> None: ...

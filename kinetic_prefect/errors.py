@@ -1,0 +1,57 @@
+"""Exceptions raised by kinetic-prefect; each message says what to do next."""
+
+from __future__ import annotations
+
+
+class KineticError(Exception):
+    """Base class for every error kinetic-prefect raises on its own account."""
+
+
+class ConfigurationError(KineticError, ValueError):
+    """A setting is missing or invalid; raised before any pod starts."""
+
+
+class PayloadError(KineticError, TypeError):
+    """A task or one of its arguments cannot be shipped to a pod."""
+
+
+class PodPhaseError(KineticError):
+    """The pod failed before or after running the task, in a named phase.
+
+    Attributes:
+        phase: the pod phase that failed (`download`, `verify`, `extract`, `unpickle`,
+            `environment`, `run` or `report`).
+        job_id: the Kinetic job whose pod failed.
+    """
+
+    def __init__(self, message: str, *, phase: str, job_id: str, remote_traceback: str = "") -> None:
+        super().__init__(message)
+        self.phase = phase
+        self.job_id = job_id
+        self.remote_traceback = remote_traceback
+
+    def __reduce__(self):  # keep the keyword-only attributes across pickling
+        return (_rebuild_phase_error, (str(self), self.phase, self.job_id, self.remote_traceback))
+
+
+def _rebuild_phase_error(message: str, phase: str, job_id: str, tb: str) -> PodPhaseError:
+    return PodPhaseError(message, phase=phase, job_id=job_id, remote_traceback=tb)
+
+
+class PodCrashedError(KineticError):
+    """The pod ended without reporting a final state (killed, evicted, out of memory, deadline)."""
+
+
+class RemoteTraceback(Exception):
+    """Carries the traceback text of an exception raised inside a pod.
+
+    Attached as ``__cause__`` of the re-raised exception so that the formatted
+    exception shows the frames of the task function as they ran in the pod.
+    """
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return f"\n\nTraceback from the pod:\n{self.text}"

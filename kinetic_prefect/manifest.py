@@ -1,0 +1,187 @@
+"""The batch/v1 Job manifest for one launch: the single source for every backend.
+
+The local backend runs the container's command and env as a process; the
+Kubernetes backend sends the same dict to the API server.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kinetic_prefect.accelerators import Accelerator
+
+MANAGED_BY = "kinetic-prefect"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_JOB_ID = "kinetic-prefect.io/job-id"
+LABEL_TASK_RUN_ID = "kinetic-prefect.io/task-run-id"
+LABEL_FLOW_RUN_ID = "kinetic-prefect.io/flow-run-id"
+ANNOTATION_ACCELERATOR = "kinetic-prefect.io/accelerator"
+ANNOTATION_TASK_NAME = "kinetic-prefect.io/task-name"
+ANNOTATION_OUTPUT_DIR = "kinetic-prefect.io/output-dir"
+CONTAINER_NAME = "task"
+POD_MODULE = "kinetic_prefect.pod"
+DEFAULT_SECRET_NAME = "kinetic-prefect-api"
+
+_DNS_UNSAFE = re.compile(r"[^a-z0-9-]+")
+_MAX_JOB_NAME = 52  # leaves room for the pod-name suffix Kubernetes appends
+
+
+def new_job_id(task_name: str) -> str:
+    """A DNS-1123 job name: `kp-{task}-{random}`, at most 52 characters."""
+    stem = _DNS_UNSAFE.sub("-", task_name.lower()).strip("-") or "task"
+    suffix = secrets.token_hex(4)
+    stem = stem[: _MAX_JOB_NAME - len("kp--") - len(suffix)].strip("-") or "task"
+    return f"kp-{stem}-{suffix}"
+
+
+@dataclass(frozen=True)
+class SecretRef:
+    """An environment variable whose value comes from a Kubernetes Secret key."""
+
+    env_name: str
+    secret_name: str
+    key: str
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """Everything that decides one pod: what to run, where, and with what."""
+
+    job_id: str
+    task_name: str
+    task_run_id: str
+    flow_run_id: str | None
+    accelerator: Accelerator
+    image: str
+    namespace: str
+    payload_uri: str
+    payload_sha256: str
+    context_uri: str
+    context_sha256: str
+    job_dir_uri: str
+    output_dir: str
+    env: Mapping[str, str] = field(default_factory=dict)
+    secret_env: tuple[SecretRef, ...] = ()
+    timeout_seconds: int | None = None
+    ttl_seconds_after_finished: int = 3600
+    service_account: str | None = None
+
+    def labels(self) -> dict[str, str]:
+        labels = {
+            LABEL_MANAGED_BY: MANAGED_BY,
+            LABEL_JOB_ID: self.job_id,
+            LABEL_TASK_RUN_ID: self.task_run_id,
+        }
+        if self.flow_run_id:
+            labels[LABEL_FLOW_RUN_ID] = self.flow_run_id
+        return labels
+
+
+def pod_args(spec: LaunchSpec) -> list[str]:
+    """The arguments of `python -m kinetic_prefect.pod` for this launch."""
+    return [
+        "--job-dir",
+        spec.job_dir_uri,
+        "--payload",
+        spec.payload_uri,
+        "--payload-sha256",
+        spec.payload_sha256,
+        "--context",
+        spec.context_uri,
+        "--context-sha256",
+        spec.context_sha256,
+    ]
+
+
+def _env_list(spec: LaunchSpec) -> list[dict[str, Any]]:
+    plain = {
+        **spec.env,
+        "KINETIC_JOB_ID": spec.job_id,
+        "KINETIC_OUTPUT_DIR": spec.output_dir,
+        "KINETIC_ACCELERATOR": spec.accelerator.name,
+    }
+    secret_names = {ref.env_name for ref in spec.secret_env}
+    env: list[dict[str, Any]] = [
+        {"name": name, "value": str(value)}
+        for name, value in sorted(plain.items())
+        if name not in secret_names
+    ]
+    env += [
+        {
+            "name": ref.env_name,
+            "valueFrom": {"secretKeyRef": {"name": ref.secret_name, "key": ref.key}},
+        }
+        for ref in spec.secret_env
+    ]
+    return env
+
+
+def build_job_manifest(spec: LaunchSpec) -> dict[str, Any]:
+    """The batch/v1 Job for `spec`.
+
+    Retries belong to Prefect, so Kubernetes never restarts or re-creates the pod
+    (`restartPolicy: Never`, `backoffLimit: 0`).
+
+    Example:
+        ```python
+        manifest = build_job_manifest(spec)
+        assert manifest["spec"]["backoffLimit"] == 0
+        ```
+    """
+    accelerator = spec.accelerator
+    container: dict[str, Any] = {
+        "name": CONTAINER_NAME,
+        "image": spec.image,
+        "command": ["python", "-m", POD_MODULE],
+        "args": pod_args(spec),
+        "env": _env_list(spec),
+    }
+    limits = accelerator.resource_limits
+    if limits:
+        container["resources"] = {"limits": dict(limits), "requests": dict(limits)}
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "containers": [container],
+    }
+    if accelerator.node_selector:
+        pod_spec["nodeSelector"] = dict(accelerator.node_selector)
+    if accelerator.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in accelerator.tolerations]
+    if spec.service_account:
+        pod_spec["serviceAccountName"] = spec.service_account
+    annotations = {
+        ANNOTATION_ACCELERATOR: accelerator.name,
+        ANNOTATION_TASK_NAME: spec.task_name,
+        ANNOTATION_OUTPUT_DIR: spec.output_dir,
+    }
+    job_spec: dict[str, Any] = {
+        "backoffLimit": 0,
+        "ttlSecondsAfterFinished": spec.ttl_seconds_after_finished,
+        "template": {
+            "metadata": {"labels": spec.labels(), "annotations": dict(annotations)},
+            "spec": pod_spec,
+        },
+    }
+    if spec.timeout_seconds:
+        job_spec["activeDeadlineSeconds"] = int(spec.timeout_seconds)
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {
+            "name": spec.job_id,
+            "namespace": spec.namespace,
+            "labels": spec.labels(),
+            "annotations": annotations,
+        },
+        "spec": job_spec,
+    }
+
+
+def container_of(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """The task container of a Job manifest."""
+    containers = manifest["spec"]["template"]["spec"]["containers"]
+    return next(c for c in containers if c["name"] == CONTAINER_NAME)

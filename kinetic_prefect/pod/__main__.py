@@ -1,0 +1,5 @@
+import sys
+
+from kinetic_prefect.pod.runner import main
+
+sys.exit(main())

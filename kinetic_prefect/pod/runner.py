@@ -1,0 +1,281 @@
+"""The pod entrypoint: download → verify → extract → unpickle → environment → run → report.
+
+Every failure before the task runs leaves `final-state.json` naming the phase
+and exits non-zero, so the orchestrator can say exactly what went wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kinetic_prefect import storage, versions
+from kinetic_prefect.pod.records import (
+    FINAL_STATE_JSON,
+    FINAL_STATE_PICKLE,
+    STATUS_FINISHED,
+    STATUS_PHASE_FAILED,
+    FinalRecord,
+)
+
+EXIT_COMPLETED = 0
+EXIT_TASK_NOT_COMPLETED = 1
+EXIT_PHASE_FAILED = 2
+
+# Settings the orchestrator strips from the payload and delivers as env vars.
+SECRET_SETTINGS = {
+    "PREFECT_API_KEY": ("api", "key"),
+    "PREFECT_API_AUTH_STRING": ("api", "auth_string"),
+}
+
+
+class PhaseFailure(Exception):
+    """A pod phase failed; `hint` tells the user what to do about it."""
+
+    def __init__(self, phase: str, message: str, hint: str = "") -> None:
+        super().__init__(message)
+        self.phase = phase
+        self.hint = hint
+
+
+@dataclass
+class PodRun:
+    job_dir: str
+    payload_uri: str
+    payload_sha256: str
+    context_uri: str
+    context_sha256: str
+    timings: dict[str, float] = field(default_factory=dict)
+    payload_bytes: bytes = b""
+    context_bytes: bytes = b""
+    workdir: Path | None = None
+    contents: dict[str, Any] = field(default_factory=dict)
+
+    @contextmanager
+    def phase(self, name: str, hint: str = "") -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        except PhaseFailure:
+            raise
+        except Exception as exc:
+            raise PhaseFailure(name, f"{type(exc).__name__}: {exc}", hint) from exc
+        finally:
+            self.timings[name] = round(time.perf_counter() - started, 4)
+
+    def write_record(self, record: FinalRecord) -> None:
+        record.timings = dict(self.timings)
+        record.versions = versions.fingerprint()
+        storage.write_uri(f"{self.job_dir}/{FINAL_STATE_JSON}", record.to_json())
+
+
+def _parse_args(argv: list[str] | None) -> PodRun:
+    parser = argparse.ArgumentParser(prog="python -m kinetic_prefect.pod")
+    parser.add_argument("--job-dir", required=True)
+    parser.add_argument("--payload", required=True)
+    parser.add_argument("--payload-sha256", required=True)
+    parser.add_argument("--context", required=True)
+    parser.add_argument("--context-sha256", required=True)
+    args = parser.parse_args(argv)
+    return PodRun(
+        job_dir=args.job_dir.rstrip("/"),
+        payload_uri=args.payload,
+        payload_sha256=args.payload_sha256,
+        context_uri=args.context,
+        context_sha256=args.context_sha256,
+    )
+
+
+def download(run: PodRun) -> None:
+    with run.phase("download", "check that the pod can read the jobs bucket (service account)"):
+        run.payload_bytes = storage.read_uri(run.payload_uri)
+        run.context_bytes = storage.read_uri(run.context_uri)
+
+
+def verify(run: PodRun) -> None:
+    with run.phase("verify"):
+        for label, data, expected in (
+            ("payload.pkl", run.payload_bytes, run.payload_sha256),
+            ("context.zip", run.context_bytes, run.context_sha256),
+        ):
+            actual = hashlib.sha256(data).hexdigest()
+            if actual != expected:
+                raise PhaseFailure(
+                    "verify",
+                    f"sha256 mismatch for {label}: expected {expected}, got {actual}",
+                    "the upload was interrupted or the file was changed after submission; "
+                    "resubmit the task",
+                )
+
+
+def safe_extract(archive: zipfile.ZipFile, target: Path) -> None:
+    """Extract, refusing any entry that would land outside `target`."""
+    root = target.resolve()
+    for member in archive.infolist():
+        destination = (root / member.filename).resolve()
+        if not destination.is_relative_to(root):
+            raise PhaseFailure(
+                "extract",
+                f"archive entry {member.filename!r} escapes the extraction directory",
+                "the archive was not made by kinetic-prefect; resubmit from a clean checkout",
+            )
+    archive.extractall(root)
+
+
+def extract(run: PodRun) -> None:
+    with run.phase("extract", "the pod's scratch disk may be full; raise ephemeral storage"):
+        scratch = os.environ.get("KINETIC_SCRATCH_DIR") or tempfile.gettempdir()
+        run.workdir = Path(tempfile.mkdtemp(prefix="kinetic-context-", dir=scratch))
+        import io
+
+        with zipfile.ZipFile(io.BytesIO(run.context_bytes)) as archive:
+            safe_extract(archive, run.workdir)
+        sys.path.insert(0, str(run.workdir))
+        os.chdir(run.workdir)
+
+
+def unpickle(run: PodRun) -> None:
+    with run.phase("unpickle"):
+        client = json.loads(os.environ.get("KINETIC_CLIENT_VERSIONS", "{}"))
+        differences = versions.skew(client) if client else []
+        if differences:
+            raise PhaseFailure(
+                "unpickle",
+                "version skew between the submitting client and the pod: " + "; ".join(differences),
+                "use a container image with the same Python minor version, cloudpickle, prefect "
+                "and kinetic-prefect versions as the environment that submits the flow",
+            )
+        import cloudpickle
+
+        run.contents = cloudpickle.loads(run.payload_bytes)
+        run.payload_bytes = b""
+
+
+def _fill_secret_settings(context: dict[str, Any]) -> None:
+    """Put the separately delivered secrets back into the serialized settings."""
+    settings = context.get("settings_context", {}).get("settings")
+    if not isinstance(settings, dict):
+        return
+    for env_name, (section, key) in SECRET_SETTINGS.items():
+        value = os.environ.get(env_name)
+        if value:
+            settings.setdefault(section, {})[key] = value
+
+
+def environment(run: PodRun) -> None:
+    with run.phase("environment"):
+        _fill_secret_settings(run.contents["context"])
+        output_dir = os.environ.get("KINETIC_OUTPUT_DIR", "")
+        if output_dir and "://" not in output_dir:
+            Path(output_dir).mkdir(parents=True, exist_ok=True)
+
+
+def execute(run: PodRun) -> Any:
+    """Run the task through Prefect's own engine and return its final state."""
+    with run.phase("run", "the Prefect API may be unreachable from the pod; check PREFECT_API_URL"):
+        from prefect.context import hydrated_context
+        from prefect.engine import handle_engine_signals
+        from prefect.task_engine import run_task_async, run_task_sync
+
+        contents = run.contents
+        task = contents["task"]
+        kwargs = dict(
+            task=task,
+            task_run=contents["task_run"],
+            parameters=contents["parameters"],
+            wait_for=contents.get("wait_for"),
+            dependencies=contents.get("dependencies"),
+            return_type="state",
+            context=contents["context"],
+        )
+        with (
+            hydrated_context(contents["context"]),
+            handle_engine_signals(contents["task_run"].id),
+        ):
+            if task.isasync:
+                import asyncio
+
+                return asyncio.run(run_task_async(**kwargs))
+            return run_task_sync(**kwargs)
+
+
+def _exception_of(state: Any) -> BaseException | None:
+    if not (state.is_failed() or state.is_crashed()):
+        return None
+    try:
+        value = state.result(raise_on_failure=False)
+    except Exception as exc:
+        return exc
+    return value if isinstance(value, BaseException) else None
+
+
+def report(run: PodRun, state: Any) -> int:
+    with run.phase("report", "the task's return value must be picklable"):
+        import cloudpickle
+
+        exc = _exception_of(state)
+        tb = "".join(traceback.format_exception(exc)) if exc is not None else None
+        storage.write_uri(
+            f"{run.job_dir}/{FINAL_STATE_PICKLE}",
+            cloudpickle.dumps({"state": state, "traceback": tb}),
+        )
+        run.write_record(
+            FinalRecord(
+                status=STATUS_FINISHED,
+                state_type=state.type.value,
+                state_name=state.name,
+                message=state.message,
+                traceback=tb,
+            )
+        )
+    return EXIT_COMPLETED if state.is_completed() else EXIT_TASK_NOT_COMPLETED
+
+
+def _log(message: str) -> None:
+    # The pod's stderr is its log: the local backend's log file, or `kubectl logs`.
+    sys.stderr.write(f"kinetic-prefect pod: {message}\n")
+    sys.stderr.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    run = _parse_args(argv)
+    try:
+        download(run)
+        verify(run)
+        extract(run)
+        unpickle(run)
+        environment(run)
+        state = execute(run)
+        code = report(run, state)
+        _log(f"finished: {state.type.value} ({run.timings})")
+        return code
+    except PhaseFailure as failure:
+        message = f"Failed during {failure.phase}: {failure}"
+        if failure.hint:
+            message += f" — {failure.hint}"
+        _log(message)
+        cause = failure.__cause__ or failure
+        record = FinalRecord(
+            status=STATUS_PHASE_FAILED,
+            phase=failure.phase,
+            error_type=type(cause).__name__,
+            message=message,
+            traceback="".join(traceback.format_exception(cause)),
+        )
+        try:
+            run.write_record(record)
+        except Exception as exc:  # the store itself is unreachable: the log is all we have
+            _log(f"could not write {FINAL_STATE_JSON}: {exc}")
+        return EXIT_PHASE_FAILED

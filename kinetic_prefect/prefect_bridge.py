@@ -1,0 +1,134 @@
+"""The few places where kinetic-prefect speaks Prefect's engine language.
+
+Kept together so that a Prefect upgrade touches one module: the serialized
+context shipped to pods, the task run created on the orchestrator, and the
+state changes the orchestrator reports for pods that could not report their own.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Mapping
+from datetime import timedelta
+from typing import Any
+
+from prefect.client.schemas.objects import TaskRun
+from prefect.context import FlowRunContext, SettingsContext, TaskRunContext, serialize_context
+from prefect.settings import get_current_settings
+from prefect.states import State
+from prefect.utilities.engine import emit_task_run_state_change_event
+
+from kinetic_prefect.pod.runner import SECRET_SETTINGS
+
+_MASK_CHARS = {"*"}
+# Settings that must never reach a pod: its own database, say, is the server's business.
+_DROPPED_SETTINGS = (("server", "database", "connection_url"),)
+
+
+def _drop_masked(values: Any) -> Any:
+    if isinstance(values, dict):
+        return {
+            k: _drop_masked(v)
+            for k, v in values.items()
+            if not (isinstance(v, str) and v and set(v) <= _MASK_CHARS)
+        }
+    return values
+
+
+def api_url() -> str | None:
+    """The API URL pods must use: the configured one, or this process's ephemeral server."""
+    configured = get_current_settings().api.url
+    if configured:
+        return configured
+    from prefect.server.api.server import SubprocessASGIServer
+
+    server = SubprocessASGIServer._instances.get(None)
+    return server.api_url if server is not None and server.server_process else None
+
+
+def pod_context() -> dict[str, Any]:
+    """Prefect's serialized context for a pod, with every secret removed.
+
+    Secrets (API key, auth string) travel separately as Kubernetes Secret refs
+    and are put back by the pod.
+    """
+    context = serialize_context()
+    settings_ctx = SettingsContext.get()
+    if settings_ctx is not None:
+        serialized = _drop_masked(settings_ctx.serialize(include_secrets=False))
+        settings = serialized.get("settings", {})
+        for path in _DROPPED_SETTINGS:
+            section = settings
+            for part in path[:-1]:
+                section = section.get(part, {})
+            section.pop(path[-1], None)
+        url = api_url()
+        if url:
+            settings.setdefault("api", {})["url"] = url
+        context["settings_context"] = serialized
+    return context
+
+
+def secret_values() -> dict[str, str]:
+    """Secret Prefect settings in this process, by the env var that delivers them."""
+    settings = get_current_settings()
+    found: dict[str, str] = {}
+    for env_name, (section, key) in SECRET_SETTINGS.items():
+        value = getattr(getattr(settings, section), key, None)
+        if value is None:
+            continue
+        plain = value.get_secret_value() if hasattr(value, "get_secret_value") else str(value)
+        if plain:
+            found[env_name] = plain
+    return found
+
+
+def pod_settings_env() -> dict[str, str]:
+    """Prefect settings set in this process, as env vars for a pod, secrets excluded."""
+    env = get_current_settings().to_environment_variables(exclude_unset=True)
+    for name in (*SECRET_SETTINGS, "PREFECT_SERVER_DATABASE_CONNECTION_URL", "PREFECT_HOME"):
+        env.pop(name, None)
+    url = api_url()
+    if url:
+        env["PREFECT_API_URL"] = url
+    return {k: str(v) for k, v in env.items()}
+
+
+def new_task_run(
+    task: Any,
+    task_run_id: uuid.UUID,
+    parameters: Mapping[str, Any],
+    wait_for: Iterable[Any] | None,
+    dependencies: Mapping[str, set[Any]] | None,
+) -> TaskRun:
+    """The task run the pod's engine will drive, created here so it shows up at once."""
+    from prefect.task_engine import _create_task_run_locally
+
+    task_run = _create_task_run_locally(
+        task=task,
+        id=task_run_id,
+        parameters=dict(parameters),
+        flow_run_context=FlowRunContext.get(),
+        parent_task_run_context=TaskRunContext.get(),
+        wait_for=list(wait_for) if wait_for else None,
+        extra_task_inputs=dict(dependencies) if dependencies else None,
+    )
+    emit_task_run_state_change_event(
+        task_run=task_run, initial_state=None, validated_state=task_run.state
+    )
+    return task_run
+
+
+def report_state(task_run: TaskRun, state: State[Any]) -> State[Any]:
+    """Record a state the pod could not report itself (crash, phase failure, cancel)."""
+    last = task_run.state
+    if last is not None and last.timestamp >= state.timestamp:
+        state.timestamp = last.timestamp + timedelta(microseconds=1)
+    state.state_details.task_run_id = task_run.id
+    state.state_details.flow_run_id = task_run.flow_run_id
+    task_run.state = state
+    task_run.state_id = state.id
+    task_run.state_type = state.type
+    task_run.state_name = state.name
+    emit_task_run_state_change_event(task_run=task_run, initial_state=last, validated_state=state)
+    return state

@@ -1,0 +1,560 @@
+"""`KineticTaskRunner`: every submitted task run goes to its own Kinetic pod.
+
+The flow stays where it is; each `task.submit()` / `task.map()` is packaged,
+uploaded and launched as a Job through a backend, and its `KineticFuture`
+resolves from the state the pod reports (or, for a pod that could not report,
+from what the backend saw).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import inspect
+import json
+import os
+import re
+import threading
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import cloudpickle
+from prefect.client.schemas.objects import TaskRun
+from prefect.futures import PrefectConcurrentFuture, PrefectFuture, wait
+from prefect.logging import get_logger
+from prefect.states import Cancelled, Crashed, Failed, State
+from prefect.task_runners import TaskRunner
+from prefect.utilities.collections import visit_collection
+from typing_extensions import Self
+
+from kinetic_prefect import prefect_bridge, versions
+from kinetic_prefect.accelerators import Accelerator, parse_accelerator
+from kinetic_prefect.backends.base import Backend, PodExit
+from kinetic_prefect.config import LaunchSettings, current_overrides, join_uri, resolve_settings
+from kinetic_prefect.errors import PodCrashedError, PodPhaseError, RemoteTraceback
+from kinetic_prefect.manifest import DEFAULT_SECRET_NAME, LaunchSpec, SecretRef, build_job_manifest
+from kinetic_prefect.manifest import new_job_id as make_job_id
+from kinetic_prefect.packaging import (
+    Artifact,
+    build_context_zip,
+    build_payload,
+    check_picklable,
+    find_package_root,
+    size_warning,
+)
+from kinetic_prefect.pod.records import (
+    FINAL_STATE_JSON,
+    FINAL_STATE_PICKLE,
+    STATUS_PHASE_FAILED,
+    FinalRecord,
+)
+from kinetic_prefect.storage import ArtifactStore, open_store
+
+if TYPE_CHECKING:
+    from prefect.tasks import Task
+
+logger = get_logger("kinetic_prefect.task_runner")
+
+_PATH_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+_SECRET_KEYS = {"PREFECT_API_KEY": "api-key", "PREFECT_API_AUTH_STRING": "auth-string"}
+
+
+class KineticFuture(PrefectConcurrentFuture[Any]):
+    """The future of a task run in a Kinetic pod.
+
+    Besides Prefect's future API it tells where the run is: `job_id` (the Job
+    and pod name prefix) and `output_dir` (the task's `KINETIC_OUTPUT_DIR`).
+    """
+
+    def __init__(
+        self,
+        task_run_id: uuid.UUID,
+        wrapped_future: concurrent.futures.Future[Any],
+        job_id: str,
+        output_dir: str,
+    ) -> None:
+        super().__init__(task_run_id, wrapped_future)
+        self.job_id = job_id
+        self.output_dir = output_dir
+
+
+@dataclass
+class _Launch:
+    """One task run on its way through a pod."""
+
+    task: Any
+    task_run: TaskRun
+    future: concurrent.futures.Future[Any]
+    settings: LaunchSettings
+    accelerator: Accelerator
+    job_id: str
+    output_dir: str
+    store: ArtifactStore | None = None
+    backend: Backend | None = None
+    manifest: dict[str, Any] = field(default_factory=dict)
+
+
+def _contains_future(value: Any) -> bool:
+    found = False
+
+    def visit(item: Any) -> Any:
+        nonlocal found
+        if isinstance(item, (PrefectFuture, State)):
+            found = True
+        return item
+
+    visit_collection(value, visit_fn=visit, return_data=False)
+    return found
+
+
+def _safe_path_part(name: str) -> str:
+    return _PATH_UNSAFE.sub("-", name).strip("-") or "task"
+
+
+class KineticTaskRunner(TaskRunner[KineticFuture]):
+    """Run each submitted task in its own Kinetic pod.
+
+    Args:
+        accelerator: accelerator name, e.g. `"cpu"`, `"l4x2"`, `"tpu-v5e-4"` (default `cpu`);
+            add `:spot` for spot capacity. `kinetic-prefect accelerators` lists them.
+        cluster: a `KineticCluster` block, its saved name, or None (then `KINETIC_*`
+            variables, then the embedded local backend).
+        backend: `"local"` or `"gke"`; normally taken from the cluster.
+        max_parallel: pods running at once (local default: the CPU count).
+        container_image: image for the pod container (GKE).
+        output_dir: explicit `KINETIC_OUTPUT_DIR` root for this runner's tasks.
+        env: extra environment variables for every pod.
+        timeout_seconds: the pod's deadline (`activeDeadlineSeconds`).
+        **settings: any other setting of `kinetic_prefect.config.LaunchSettings`.
+
+    Example:
+        ```python
+        @flow(task_runner=KineticTaskRunner(accelerator="tpu-v5e-1"))
+        def sweep(lrs: list[float]):
+            return [f.result() for f in train.map(lrs)]
+        ```
+    """
+
+    def __init__(
+        self,
+        accelerator: str | None = None,
+        cluster: Any = None,
+        backend: str | None = None,
+        max_parallel: int | None = None,
+        container_image: str | None = None,
+        output_dir: str | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout_seconds: int | None = None,
+        package_root: str | None = None,
+        **settings: Any,
+    ) -> None:
+        super().__init__()
+        self._options: dict[str, Any] = {
+            "accelerator": accelerator,
+            "backend": backend,
+            "max_parallel": max_parallel,
+            "container_image": container_image,
+            "output_dir": output_dir,
+            "env": dict(env) if env else None,
+            "timeout_seconds": timeout_seconds,
+            **settings,
+        }
+        # Fail on a misspelt setting now, without any I/O.
+        resolve_settings(runner=self._options, environ={})
+        self._cluster = cluster
+        self._package_root = package_root
+        self._reset_runtime()
+
+    def _reset_runtime(self) -> None:
+        self._lock = threading.Lock()
+        self._backends: dict[tuple[str, str], Backend] = {}
+        self._launches: dict[str, _Launch] = {}
+        self._submitter: concurrent.futures.ThreadPoolExecutor | None = None
+        self._context_zips: dict[Path, Artifact] = {}
+        self._task_counts: dict[tuple[str, str], int] = {}
+        self._closing = False
+
+    # -- Prefect's task runner protocol ---------------------------------------
+
+    def duplicate(self) -> Self:
+        return type(self)(
+            cluster=self._cluster, package_root=self._package_root, **self._options
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Threads, locks, backends and executors stay behind; the copy re-creates them.
+        return {
+            "_options": self._options,
+            "_cluster": self._cluster,
+            "_package_root": self._package_root,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__init__()
+        self.__dict__.update(state)
+        self._reset_runtime()
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, KineticTaskRunner)
+            and self._options == other._options
+            and self._cluster == other._cluster
+        )
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    def __enter__(self) -> Self:
+        super().__enter__()
+        self._closing = False
+        return self
+
+    def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> None:
+        self._closing = True
+        if self._submitter is not None:
+            self._submitter.shutdown(wait=True, cancel_futures=True)
+            self._submitter = None
+        with self._lock:
+            backends = list(self._backends.values())
+            launches = [launch for launch in self._launches.values() if not launch.future.done()]
+        for launch in launches:
+            if launch.backend is not None:
+                launch.backend.cancel(launch.job_id)
+            else:
+                self._conclude(launch, Cancelled(message="The flow run ended before the pod started."))
+        for backend in backends:
+            backend.close()
+        super().__exit__(exc_type, exc_value, traceback)
+
+    def submit(
+        self,
+        task: Task[Any, Any],
+        parameters: dict[str, Any],
+        wait_for: Iterable[PrefectFuture[Any]] | None = None,
+        dependencies: dict[str, set[Any]] | None = None,
+    ) -> KineticFuture:
+        """Launch `task` with `parameters` in a pod; returns at once with a `KineticFuture`."""
+        if not self._started:
+            raise RuntimeError("The task runner must be started (use it as a flow's task_runner).")
+        settings = self._settings()
+        accelerator = parse_accelerator(settings.accelerator, spot=settings.spot)
+        check_picklable(
+            {k: v for k, v in parameters.items() if not _contains_future(v)}, task.name
+        )
+        task_run = prefect_bridge.new_task_run(
+            task, uuid.uuid4(), parameters, wait_for, dependencies
+        )
+        job_id = make_job_id(task.name)
+        launch = _Launch(
+            task=task,
+            task_run=task_run,
+            future=concurrent.futures.Future(),
+            settings=settings,
+            accelerator=accelerator,
+            job_id=job_id,
+            output_dir=self._output_dir(settings, task, task_run),
+        )
+        context = prefect_bridge.pod_context()
+        with self._lock:
+            self._launches[job_id] = launch
+            if self._submitter is None:
+                self._submitter = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=8, thread_name_prefix="kinetic-submit"
+                )
+            submitter = self._submitter
+        submitter.submit(
+            self._prepare_and_launch, launch, parameters, list(wait_for or ()), dependencies, context
+        )
+        return KineticFuture(task_run.id, launch.future, job_id, launch.output_dir)
+
+    def map(
+        self,
+        task: Task[Any, Any],
+        parameters: dict[str, Any],
+        wait_for: Iterable[PrefectFuture[Any]] | None = None,
+    ) -> Any:
+        return super().map(task, parameters, wait_for)
+
+    # -- settings -------------------------------------------------------------
+
+    def _settings(self) -> LaunchSettings:
+        block_settings: Mapping[str, Any] | None = None
+        if self._cluster is not None:
+            from kinetic_prefect.blocks import cluster_settings
+
+            block_settings = cluster_settings(self._cluster)
+        return resolve_settings(
+            runner=self._options, overrides=current_overrides(), block=block_settings
+        )
+
+    def _output_dir(self, settings: LaunchSettings, task: Any, task_run: TaskRun) -> str:
+        if settings.output_dir:
+            root = settings.output_dir
+        else:
+            root = settings.resolved_output_root()
+        flow_run_id = str(task_run.flow_run_id or "no-flow-run")
+        with self._lock:
+            key = (flow_run_id, task.name)
+            index = self._task_counts.get(key, 0)
+            self._task_counts[key] = index + 1
+        return join_uri(root, flow_run_id, f"{_safe_path_part(task.name)}-{index}")
+
+    # -- launching (runs on a submitter thread) -------------------------------
+
+    def _prepare_and_launch(
+        self,
+        launch: _Launch,
+        parameters: dict[str, Any],
+        wait_for: list[PrefectFuture[Any]],
+        dependencies: dict[str, set[Any]] | None,
+        context: dict[str, Any],
+    ) -> None:
+        try:
+            if wait_for:
+                wait(wait_for)
+            upstream_ok = all(f.state.is_completed() for f in wait_for)
+            resolved: dict[str, Any] | None = None
+            if upstream_ok:
+                from prefect.exceptions import UpstreamTaskError
+                from prefect.utilities.engine import resolve_inputs_sync
+
+                try:
+                    resolved = resolve_inputs_sync(parameters, return_data=True, max_depth=-1)
+                except UpstreamTaskError:
+                    resolved = None
+            if resolved is None:
+                # Let Prefect's own engine decide NotReady exactly as other runners do;
+                # it returns before calling the task, so no pod is needed.
+                self._run_not_ready(launch, parameters, wait_for, dependencies, context)
+                return
+            if self._closing:
+                self._conclude(launch, Cancelled(message="The flow run ended before the pod started."))
+                return
+            self._launch(launch, resolved, [f.state for f in wait_for], dependencies, context)
+        except BaseException as exc:
+            logger.debug("Launching %s failed", launch.job_id, exc_info=True)
+            self._conclude(launch, Failed(message=f"Could not launch the pod: {exc}", data=exc))
+
+    def _run_not_ready(
+        self,
+        launch: _Launch,
+        parameters: dict[str, Any],
+        wait_for: list[PrefectFuture[Any]],
+        dependencies: dict[str, set[Any]] | None,
+        context: dict[str, Any],
+    ) -> None:
+        from prefect.context import hydrated_context
+        from prefect.task_engine import run_task_sync
+
+        with hydrated_context(context):
+            state = run_task_sync(
+                task=launch.task,
+                task_run=launch.task_run,
+                parameters=parameters,
+                wait_for=wait_for or None,
+                dependencies=dependencies,
+                return_type="state",
+                context=context,
+            )
+        launch.future.set_result(state)
+
+    def _backend_for(self, settings: LaunchSettings, jobs_root: str) -> Backend:
+        key = (settings.backend, jobs_root)
+        with self._lock:
+            backend = self._backends.get(key)
+            if backend is None:
+                if settings.backend == "local":
+                    from kinetic_prefect.backends.local import LocalBackend
+
+                    workspace = (
+                        Path(jobs_root) / "pods"
+                        if "://" not in jobs_root
+                        else Path.cwd() / ".kinetic" / "pods"
+                    )
+                    backend = LocalBackend(
+                        workspace,
+                        max_parallel=settings.max_parallel,
+                        cancel_grace_seconds=settings.cancel_grace_seconds,
+                    )
+                else:
+                    from kinetic_prefect.errors import ConfigurationError
+
+                    raise ConfigurationError(
+                        f"The {settings.backend!r} backend is not available in this version; "
+                        "use backend='local'."
+                    )
+                self._backends[key] = backend
+            return backend
+
+    def _context_zip(self, root: Path) -> Artifact:
+        with self._lock:
+            cached = self._context_zips.get(root)
+        if cached is None:
+            cached = build_context_zip(root)
+            warning = size_warning(f"The code archive of {root}", cached)
+            if warning:
+                logger.warning(warning)
+            with self._lock:
+                self._context_zips[root] = cached
+        return cached
+
+    def _launch(
+        self,
+        launch: _Launch,
+        parameters: dict[str, Any],
+        wait_for_states: list[State[Any]],
+        dependencies: dict[str, set[Any]] | None,
+        context: dict[str, Any],
+    ) -> None:
+        settings = launch.settings
+        jobs_root = settings.resolved_jobs_root()
+        store = open_store(jobs_root)
+        launch.store = store
+        source = inspect.getsourcefile(launch.task.fn) if hasattr(launch.task, "fn") else None
+        root = find_package_root(source, self._package_root)
+        payload = build_payload(
+            {
+                "task": launch.task,
+                "task_run": launch.task_run,
+                "parameters": parameters,
+                "wait_for": wait_for_states or None,
+                "dependencies": dependencies,
+                "context": context,
+                "versions": versions.fingerprint(),
+            },
+            root,
+        )
+        warning = size_warning(f"The payload of task {launch.task.name!r}", payload)
+        if warning:
+            logger.warning(warning)
+        code = self._context_zip(root)
+        prefix = f"kinetic/{launch.job_id}"
+        payload_uri = store.put_bytes(f"{prefix}/payload.pkl", payload.data)
+        context_uri = store.put_bytes(f"{prefix}/context.zip", code.data)
+        secrets = prefect_bridge.secret_values()
+        env = {
+            **prefect_bridge.pod_settings_env(),
+            **settings.env,
+            "KINETIC_CLIENT_VERSIONS": json.dumps(versions.fingerprint(), sort_keys=True),
+            "PYTHONUNBUFFERED": "1",
+        }
+        spec = LaunchSpec(
+            job_id=launch.job_id,
+            task_name=launch.task.name,
+            task_run_id=str(launch.task_run.id),
+            flow_run_id=str(launch.task_run.flow_run_id) if launch.task_run.flow_run_id else None,
+            accelerator=launch.accelerator,
+            image=settings.container_image or _default_image(),
+            namespace=settings.namespace,
+            payload_uri=payload_uri,
+            payload_sha256=payload.sha256,
+            context_uri=context_uri,
+            context_sha256=code.sha256,
+            job_dir_uri=store.uri(prefix),
+            output_dir=launch.output_dir,
+            env=env,
+            secret_env=tuple(
+                SecretRef(name, DEFAULT_SECRET_NAME, _SECRET_KEYS[name]) for name in secrets
+            ),
+            timeout_seconds=settings.timeout_seconds,
+            ttl_seconds_after_finished=settings.ttl_seconds_after_finished,
+            service_account=settings.service_account,
+        )
+        launch.manifest = build_job_manifest(spec)
+        backend = self._backend_for(settings, jobs_root)
+        launch.backend = backend
+        backend.launch(
+            launch.manifest,
+            on_exit=lambda outcome: self._on_pod_exit(launch, outcome),
+            secrets={DEFAULT_SECRET_NAME: {_SECRET_KEYS[k]: v for k, v in secrets.items()}},
+        )
+
+    # -- completion (runs on the backend's watcher thread) --------------------
+
+    def _on_pod_exit(self, launch: _Launch, outcome: PodExit) -> None:
+        try:
+            state = self._final_state(launch, outcome)
+        except Exception as exc:
+            logger.exception("Reading the final state of %s failed", launch.job_id)
+            state = Failed(message=f"Could not read the pod's final state: {exc}", data=exc)
+            self._conclude(launch, state)
+            return
+        if state is not None:
+            launch.future.set_result(state)
+
+    def _final_state(self, launch: _Launch, outcome: PodExit) -> State[Any] | None:
+        assert launch.store is not None
+        prefix = f"kinetic/{launch.job_id}"
+        record_key = f"{prefix}/{FINAL_STATE_JSON}"
+        if not launch.store.exists(record_key):
+            self._conclude_without_record(launch, outcome)
+            return None
+        record = FinalRecord.from_json(launch.store.get_bytes(record_key))
+        if record.status == STATUS_PHASE_FAILED:
+            error = PodPhaseError(
+                record.message or f"Failed during {record.phase}",
+                phase=record.phase or "unknown",
+                job_id=launch.job_id,
+                remote_traceback=record.traceback or "",
+            )
+            if record.traceback:
+                error.__cause__ = RemoteTraceback(record.traceback)
+            self._conclude(launch, Failed(message=str(error), data=error))
+            return None
+        final = cloudpickle.loads(launch.store.get_bytes(f"{prefix}/{FINAL_STATE_PICKLE}"))
+        state: State[Any] = final["state"]
+        if final.get("traceback"):
+            _attach_remote_traceback(state, final["traceback"])
+        return state
+
+    def _conclude_without_record(self, launch: _Launch, outcome: PodExit) -> None:
+        if outcome.cancelled:
+            self._conclude(launch, Cancelled(message=f"Pod {launch.job_id} was cancelled."))
+            return
+        message = f"Pod {launch.job_id} ended without reporting a final state: {outcome.describe()}."
+        if outcome.log_tail:
+            message += f" Last log lines:\n{outcome.log_tail}"
+        self._conclude(launch, Crashed(message=message, data=PodCrashedError(message)))
+
+    def _conclude(self, launch: _Launch, state: State[Any]) -> None:
+        """Report a state the pod could not report itself, and resolve the future."""
+        if launch.future.done():
+            return
+        try:
+            prefect_bridge.report_state(launch.task_run, state)
+        except Exception:
+            logger.warning("Could not report %s for %s", state.type.value, launch.job_id, exc_info=True)
+        launch.future.set_result(state)
+
+    # -- introspection --------------------------------------------------------
+
+    def backend_of(self, future: KineticFuture) -> Backend | None:
+        """The backend running `future`'s pod (for tooling and tests)."""
+        launch = self._launches.get(future.job_id)
+        return launch.backend if launch else None
+
+    def manifest_of(self, future: KineticFuture) -> dict[str, Any]:
+        """The Job manifest launched for `future` (empty until launched)."""
+        launch = self._launches.get(future.job_id)
+        return dict(launch.manifest) if launch else {}
+
+    @property
+    def launch_count(self) -> int:
+        """Pods launched by this runner so far, over every backend."""
+        with self._lock:
+            return sum(b.launch_count for b in self._backends.values())
+
+
+def _attach_remote_traceback(state: State[Any], text: str) -> None:
+    try:
+        exc = state.result(raise_on_failure=False)
+    except Exception:
+        return
+    if isinstance(exc, BaseException) and not isinstance(exc.__cause__, RemoteTraceback):
+        exc.__cause__ = RemoteTraceback(text)
+
+
+def _default_image() -> str:
+    return os.environ.get("KINETIC_DEFAULT_IMAGE") or "python:3.11-slim"
