@@ -134,7 +134,9 @@ def build_context_zip(root: Path, extra_excludes: Iterable[str] = ()) -> Artifac
 
 @lru_cache(maxsize=1)
 def _installed_top_levels() -> frozenset[str]:
-    return frozenset(packages_distributions())
+    # kinetic_prefect is always installed in the pod; an editable install of it
+    # is missing from packages_distributions(), so name it explicitly.
+    return frozenset(packages_distributions()) | {"kinetic_prefect"}
 
 
 def modules_under(root: Path) -> list[ModuleType]:

@@ -1,0 +1,1 @@
+"""Fixtures other test modules share (none yet beyond conftest)."""

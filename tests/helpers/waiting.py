@@ -1,0 +1,47 @@
+"""Waiting on conditions with deadlines, never on fixed sleeps."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def wait_until(
+    probe: Callable[[], T | None], timeout: float = 30.0, what: str = "condition"
+) -> T:
+    """Call `probe` until it returns a truthy value; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    delay = 0.01
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"Timed out after {timeout}s waiting for {what}")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.25)
+
+
+def task_run_state(task_run_id: object) -> object:
+    """The task run's state as the API has it (None if the API does not know it yet)."""
+    from prefect import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            return client.read_task_run(task_run_id).state  # type: ignore[arg-type]
+        except ObjectNotFound:
+            return None
+
+
+def wait_for_task_run_state(task_run_id: object, state_type: str, timeout: float = 30.0) -> object:
+    """Wait until the API shows the task run in `state_type` (task runs are recorded from events)."""
+
+    def probe() -> object:
+        state = task_run_state(task_run_id)
+        return state if state is not None and state.type.value == state_type else None  # type: ignore[attr-defined]
+
+    return wait_until(probe, timeout, f"task run {task_run_id} to be {state_type} in the API")

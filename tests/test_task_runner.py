@@ -1,0 +1,243 @@
+"""End to end: flows whose tasks run in local Kinetic pods, against a real Prefect API."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import threading
+import traceback
+from pathlib import Path
+
+import pytest
+from prefect import flow, task
+from prefect.futures import wait
+from prefect.task_runners import ThreadPoolTaskRunner
+from prefect.utilities.annotations import allow_failure, quote, unmapped
+
+from kinetic_prefect import KineticTaskRunner, resources
+from kinetic_prefect.accelerators import UnknownAcceleratorError
+from kinetic_prefect.errors import PayloadError, PodPhaseError
+from tests.helpers.waiting import wait_for_task_run_state, wait_until
+
+pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
+
+
+@task
+def square_with_pid(x: int) -> tuple[int, int]:
+    return x * x, os.getpid()
+
+
+@task
+def add(x: int, y: int = 1) -> int:
+    return x + y
+
+
+@task
+def explode() -> None:
+    raise ValueError("boom")
+
+
+@task
+def describe(value: object) -> str:
+    return f"got {type(value).__name__}"
+
+
+@task
+async def double_async(x: int) -> int:
+    await asyncio.sleep(0)
+    return 2 * x
+
+
+@task
+def wait_for_gate(gate: str) -> str:
+    threading_event = threading.Event()
+    while not Path(gate).exists():
+        threading_event.wait(0.05)
+    return "opened"
+
+
+@task
+def hang_with_child(pid_file: str) -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import threading; threading.Event().wait()"])
+    Path(pid_file).write_text(f"{os.getpid()} {child.pid}")
+    threading.Event().wait()
+
+
+def _alive(pid: int) -> bool:
+    stat = Path(f"/proc/{pid}/stat")
+    try:
+        state = stat.read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+def test_mapped_task_returns_every_result_from_pods_outside_the_flow_process(launched_manifests):
+    @flow(task_runner=KineticTaskRunner())
+    def squares() -> tuple[list[tuple[int, int]], list[object], int]:
+        futures = square_with_pid.map(range(5))
+        return [f.result() for f in futures], [f.task_run_id for f in futures], os.getpid()
+
+    results, task_run_ids, flow_pid = squares()
+
+    assert [value for value, _ in results] == [0, 1, 4, 9, 16]
+    assert flow_pid not in {pid for _, pid in results}
+    assert len(launched_manifests) == 5
+    for task_run_id in task_run_ids:
+        wait_for_task_run_state(task_run_id, "COMPLETED")
+
+
+def test_task_exception_is_reraised_with_the_pod_traceback_and_the_run_is_failed():
+    @flow(task_runner=KineticTaskRunner())
+    def failing() -> tuple[str, object]:
+        future = explode.submit()
+        with pytest.raises(ValueError, match="boom") as info:
+            future.result()
+        return "".join(traceback.format_exception(info.value)), future.task_run_id
+
+    formatted, task_run_id = failing()
+
+    assert "Traceback from the pod" in formatted
+    assert "in explode" in formatted
+    assert 'raise ValueError("boom")' in formatted
+    wait_for_task_run_state(task_run_id, "FAILED")
+
+
+def test_upstream_future_arrives_downstream_as_its_value():
+    @flow(task_runner=KineticTaskRunner())
+    def chain() -> int:
+        first = add.submit(1)
+        return add.submit(first, y=first).result()
+
+    assert chain() == 4
+
+
+def _downstream_of_failure(runner: object) -> tuple[str, str | None]:
+    @flow(task_runner=runner)
+    def run() -> tuple[str, str | None]:
+        downstream = add.submit(explode.submit())
+        downstream.wait()
+        return downstream.state.type.value, downstream.state.name
+
+    return run()
+
+
+def test_failed_upstream_leaves_downstream_unrun_exactly_like_thread_pool(launched_manifests):
+    kinetic = _downstream_of_failure(KineticTaskRunner())
+
+    assert kinetic == _downstream_of_failure(ThreadPoolTaskRunner())
+    assert kinetic[0] != "COMPLETED"
+    assert [m["metadata"]["annotations"]["kinetic-prefect.io/task-name"] for m in launched_manifests] == [
+        "explode"
+    ]
+
+
+def _allow_failure_result(runner: object) -> str:
+    @flow(task_runner=runner)
+    def run() -> str:
+        return describe.submit(allow_failure(explode.submit())).result()
+
+    return run()
+
+
+def test_allow_failure_lets_downstream_run_like_thread_pool():
+    assert _allow_failure_result(KineticTaskRunner()) == _allow_failure_result(ThreadPoolTaskRunner())
+
+
+def test_wait_for_unmapped_and_quote_behave_as_with_prefect_runners():
+    @flow(task_runner=KineticTaskRunner())
+    def run() -> tuple[list[int], str]:
+        first = add.submit(0)
+        mapped = add.map([1, 2], y=unmapped(10), wait_for=[first])
+        quoted = describe.submit(quote([1, 2]))
+        return [f.result() for f in mapped], quoted.result()
+
+    assert run() == ([11, 12], "got list")
+
+
+def test_async_task_runs_in_a_pod():
+    @flow(task_runner=KineticTaskRunner())
+    def run() -> int:
+        return double_async.submit(21).result()
+
+    assert run() == 42
+
+
+def test_unknown_accelerator_fails_before_any_pod_listing_valid_names(launched_manifests):
+    @flow(task_runner=KineticTaskRunner(accelerator="tpu-v9z-1"))
+    def run() -> None:
+        add.submit(1)
+
+    with pytest.raises(UnknownAcceleratorError, match="tpu-v5e-1") as info:
+        run()
+
+    assert "kinetic-prefect accelerators" in str(info.value)
+    assert launched_manifests == []
+
+
+def test_unpicklable_argument_fails_at_submit_naming_the_parameter(launched_manifests):
+    @flow(task_runner=KineticTaskRunner())
+    def run() -> None:
+        describe.submit(threading.Lock())
+
+    with pytest.raises(PayloadError, match="Parameter 'value' of task 'describe'"):
+        run()
+
+    assert launched_manifests == []
+
+
+def test_tampered_payload_is_refused_in_the_verify_phase(workdir: Path):
+    gate = workdir / "gate"
+
+    @flow(task_runner=KineticTaskRunner(max_parallel=1))
+    def run() -> PodPhaseError:
+        blocker = wait_for_gate.submit(str(gate))
+        victim = add.submit(1)
+        payload = workdir / ".kinetic" / "kinetic" / victim.job_id / "payload.pkl"
+        wait_until(payload.exists, 60, "the victim's payload to be uploaded")
+        payload.write_bytes(payload.read_bytes() + b"tampered")
+        gate.touch()
+        blocker.wait()
+        with pytest.raises(PodPhaseError) as info:
+            victim.result()
+        return info.value
+
+    error = run()
+
+    assert error.phase == "verify"
+    assert "Failed during verify: sha256 mismatch for payload.pkl" in str(error)
+
+
+def test_leaving_the_flow_kills_running_pods_and_their_children(workdir: Path):
+    pid_file = workdir / "pids"
+
+    @flow(task_runner=KineticTaskRunner())
+    def run() -> None:
+        hang_with_child.submit(str(pid_file))
+        wait_until(pid_file.exists, 60, "the pod to start")
+
+    run()
+
+    pids = [int(p) for p in pid_file.read_text().split()]
+    assert [pid for pid in pids if _alive(pid)] == []
+
+
+def test_resources_override_applies_only_inside_the_block(launched_manifests):
+    @flow(task_runner=KineticTaskRunner(accelerator="cpu"))
+    def run() -> None:
+        with resources(accelerator="l4x2", spot=True):
+            inside = add.submit(1)
+        outside = add.submit(2)
+        wait([inside, outside])
+
+    run()
+
+    selectors = sorted(
+        (m["spec"]["template"]["spec"].get("nodeSelector") or {}).get(
+            "cloud.google.com/gke-accelerator", "none"
+        )
+        for m in launched_manifests
+    )
+    assert selectors == ["none", "nvidia-l4"]
