@@ -14,6 +14,7 @@ import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from kinetic_prefect.errors import ConfigurationError
@@ -108,8 +109,9 @@ def settings_from_environ(environ: Mapping[str, str]) -> dict[str, Any]:
     return found
 
 
+_NO_OVERRIDES: Mapping[str, Any] = MappingProxyType({})
 _overrides: contextvars.ContextVar[Mapping[str, Any]] = contextvars.ContextVar(
-    "kinetic_prefect_resource_overrides", default={}
+    "kinetic_prefect_resource_overrides", default=_NO_OVERRIDES
 )
 
 

@@ -24,7 +24,9 @@ class PodPhaseError(KineticError):
         job_id: the Kinetic job whose pod failed.
     """
 
-    def __init__(self, message: str, *, phase: str, job_id: str, remote_traceback: str = "") -> None:
+    def __init__(
+        self, message: str, *, phase: str, job_id: str, remote_traceback: str = ""
+    ) -> None:
         super().__init__(message)
         self.phase = phase
         self.job_id = job_id

@@ -186,7 +186,7 @@ def check_picklable(parameters: Mapping[str, Any], task_name: str) -> None:
             raise PayloadError(
                 f"Parameter {name!r} of task {task_name!r} cannot be sent to a pod: "
                 f"{type(exc).__name__}: {exc}. Pass a picklable value instead (for open files, "
-                "sockets or clients, pass a path or settings and create the object inside the task)."
+                "sockets or clients, pass a path or settings and create the object in the task)."
             ) from exc
 
 

@@ -113,6 +113,7 @@ def new_task_run(
         wait_for=list(wait_for) if wait_for else None,
         extra_task_inputs=dict(dependencies) if dependencies else None,
     )
+    assert task_run.state is not None
     emit_task_run_state_change_event(
         task_run=task_run, initial_state=None, validated_state=task_run.state
     )

@@ -78,7 +78,9 @@ def open_store(root: str) -> ArtifactStore:
 
         return GcsStore(root)
     if "://" in root:
-        raise ValueError(f"Unsupported storage location {root!r}: use a local path or gs://bucket/prefix.")
+        raise ValueError(
+            f"Unsupported storage location {root!r}: use a local path or gs://bucket/prefix."
+        )
     return LocalStore(root)
 
 

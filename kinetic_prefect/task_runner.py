@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 import cloudpickle
 from prefect.client.schemas.objects import TaskRun
@@ -27,7 +27,6 @@ from prefect.logging import get_logger
 from prefect.states import Cancelled, Crashed, Failed, State
 from prefect.task_runners import TaskRunner
 from prefect.utilities.collections import visit_collection
-from typing_extensions import Self
 
 from kinetic_prefect import prefect_bridge, versions
 from kinetic_prefect.accelerators import Accelerator, parse_accelerator
@@ -179,9 +178,7 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
     # -- Prefect's task runner protocol ---------------------------------------
 
     def duplicate(self) -> Self:
-        return type(self)(
-            cluster=self._cluster, package_root=self._package_root, **self._options
-        )
+        return type(self)(cluster=self._cluster, package_root=self._package_root, **self._options)
 
     def __getstate__(self) -> dict[str, Any]:
         # Threads, locks, backends and executors stay behind; the copy re-creates them.
@@ -223,7 +220,9 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
             if launch.backend is not None:
                 launch.backend.cancel(launch.job_id)
             else:
-                self._conclude(launch, Cancelled(message="The flow run ended before the pod started."))
+                self._conclude(
+                    launch, Cancelled(message="The flow run ended before the pod started.")
+                )
         for backend in backends:
             backend.close()
         super().__exit__(exc_type, exc_value, traceback)
@@ -240,9 +239,7 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
             raise RuntimeError("The task runner must be started (use it as a flow's task_runner).")
         settings = self._settings()
         accelerator = parse_accelerator(settings.accelerator, spot=settings.spot)
-        check_picklable(
-            {k: v for k, v in parameters.items() if not _contains_future(v)}, task.name
-        )
+        check_picklable({k: v for k, v in parameters.items() if not _contains_future(v)}, task.name)
         task_run = prefect_bridge.new_task_run(
             task, uuid.uuid4(), parameters, wait_for, dependencies
         )
@@ -265,7 +262,12 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
                 )
             submitter = self._submitter
         submitter.submit(
-            self._prepare_and_launch, launch, parameters, list(wait_for or ()), dependencies, context
+            self._prepare_and_launch,
+            launch,
+            parameters,
+            list(wait_for or ()),
+            dependencies,
+            context,
         )
         return KineticFuture(task_run.id, launch.future, job_id, launch.output_dir)
 
@@ -290,10 +292,7 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
         )
 
     def _output_dir(self, settings: LaunchSettings, task: Any, task_run: TaskRun) -> str:
-        if settings.output_dir:
-            root = settings.output_dir
-        else:
-            root = settings.resolved_output_root()
+        root = settings.output_dir or settings.resolved_output_root()
         flow_run_id = str(task_run.flow_run_id or "no-flow-run")
         with self._lock:
             key = (flow_run_id, task.name)
@@ -330,7 +329,9 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
                 self._run_not_ready(launch, parameters, wait_for, dependencies, context)
                 return
             if self._closing:
-                self._conclude(launch, Cancelled(message="The flow run ended before the pod started."))
+                self._conclude(
+                    launch, Cancelled(message="The flow run ended before the pod started.")
+                )
                 return
             self._launch(launch, resolved, [f.state for f in wait_for], dependencies, context)
         except BaseException as exc:
@@ -513,7 +514,9 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
         if outcome.cancelled:
             self._conclude(launch, Cancelled(message=f"Pod {launch.job_id} was cancelled."))
             return
-        message = f"Pod {launch.job_id} ended without reporting a final state: {outcome.describe()}."
+        message = (
+            f"Pod {launch.job_id} ended without reporting a final state: {outcome.describe()}."
+        )
         if outcome.log_tail:
             message += f" Last log lines:\n{outcome.log_tail}"
         self._conclude(launch, Crashed(message=message, data=PodCrashedError(message)))
@@ -525,7 +528,9 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
         try:
             prefect_bridge.report_state(launch.task_run, state)
         except Exception:
-            logger.warning("Could not report %s for %s", state.type.value, launch.job_id, exc_info=True)
+            logger.warning(
+                "Could not report %s for %s", state.type.value, launch.job_id, exc_info=True
+            )
         launch.future.set_result(state)
 
     # -- introspection --------------------------------------------------------

@@ -17,8 +17,6 @@ import pytest
 from kinetic_prefect.backends.local import LocalBackend
 
 
-
-
 @pytest.fixture(scope="session")
 def prefect_api() -> Iterator[str]:
     """A real Prefect API server (SQLite) for the whole session."""
@@ -45,7 +43,9 @@ def launched_manifests(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[dict[st
     seen: list[dict[str, Any]] = []
     original = LocalBackend.launch
 
-    def recording_launch(self: LocalBackend, manifest: dict[str, Any], *args: Any, **kw: Any) -> None:
+    def recording_launch(
+        self: LocalBackend, manifest: dict[str, Any], *args: Any, **kw: Any
+    ) -> None:
         seen.append(manifest)
         original(self, manifest, *args, **kw)
 

@@ -129,9 +129,9 @@ def test_failed_upstream_leaves_downstream_unrun_exactly_like_thread_pool(launch
 
     assert kinetic == _downstream_of_failure(ThreadPoolTaskRunner())
     assert kinetic[0] != "COMPLETED"
-    assert [m["metadata"]["annotations"]["kinetic-prefect.io/task-name"] for m in launched_manifests] == [
-        "explode"
-    ]
+    assert [
+        m["metadata"]["annotations"]["kinetic-prefect.io/task-name"] for m in launched_manifests
+    ] == ["explode"]
 
 
 def _allow_failure_result(runner: object) -> str:
@@ -143,7 +143,9 @@ def _allow_failure_result(runner: object) -> str:
 
 
 def test_allow_failure_lets_downstream_run_like_thread_pool():
-    assert _allow_failure_result(KineticTaskRunner()) == _allow_failure_result(ThreadPoolTaskRunner())
+    assert _allow_failure_result(KineticTaskRunner()) == _allow_failure_result(
+        ThreadPoolTaskRunner()
+    )
 
 
 def test_wait_for_unmapped_and_quote_behave_as_with_prefect_runners():

@@ -8,6 +8,7 @@ pidfd, so a pod's exit is noticed as it happens rather than by polling.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import select
 import signal
@@ -180,10 +181,8 @@ class LocalBackend:
             self._watcher.start()
 
     def _wake(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             os.write(self._wake_w, b"x")
-        except OSError:
-            pass
 
     def _start_queued(self) -> None:
         while True:
@@ -294,7 +293,5 @@ class LocalBackend:
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass

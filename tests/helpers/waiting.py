@@ -9,9 +9,7 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-def wait_until(
-    probe: Callable[[], T | None], timeout: float = 30.0, what: str = "condition"
-) -> T:
+def wait_until(probe: Callable[[], T | None], timeout: float = 30.0, what: str = "condition") -> T:
     """Call `probe` until it returns a truthy value; fail after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     delay = 0.01
@@ -38,7 +36,7 @@ def task_run_state(task_run_id: object) -> object:
 
 
 def wait_for_task_run_state(task_run_id: object, state_type: str, timeout: float = 30.0) -> object:
-    """Wait until the API shows the task run in `state_type` (task runs are recorded from events)."""
+    """Wait until the API shows the task run in `state_type` (recorded from events)."""
 
     def probe() -> object:
         state = task_run_state(task_run_id)

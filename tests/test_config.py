@@ -1,0 +1,70 @@
+"""Settings resolution order: resources() > runner > block > KINETIC_* env > defaults."""
+
+from __future__ import annotations
+
+import pytest
+
+from kinetic_prefect.config import current_overrides, resolve_settings, resources
+from kinetic_prefect.errors import ConfigurationError
+
+
+def test_defaults_are_cpu_on_the_local_backend():
+    settings = resolve_settings(environ={})
+
+    assert (settings.accelerator, settings.backend) == ("cpu", "local")
+
+
+def test_each_layer_overrides_the_ones_below_it():
+    environ = {
+        "KINETIC_ACCELERATOR": "t4",
+        "KINETIC_TIMEOUT_SECONDS": "10",
+        "KINETIC_NAMESPACE": "env",
+    }
+    settings = resolve_settings(
+        environ=environ,
+        block={"accelerator": "l4", "timeout_seconds": 20},
+        runner={"accelerator": "a100", "max_parallel": None},
+        overrides={"accelerator": "h100"},
+    )
+
+    assert (settings.accelerator, settings.timeout_seconds, settings.namespace) == (
+        "h100",
+        20,
+        "env",
+    )
+
+
+def test_env_settings_merge_across_layers():
+    settings = resolve_settings(
+        environ={}, runner={"env": {"A": "1", "B": "1"}}, overrides={"env": {"B": "2"}}
+    )
+
+    assert dict(settings.env) == {"A": "1", "B": "2"}
+
+
+def test_resources_overrides_nest_and_unwind():
+    with resources(accelerator="l4"), resources(spot=True):
+        inner = current_overrides()
+
+    assert inner == {"accelerator": "l4", "spot": True}
+    assert current_overrides() == {}
+
+
+def test_unknown_setting_in_resources_lists_valid_settings():
+    with (
+        pytest.raises(ConfigurationError, match="valid settings are: accelerator"),
+        resources(acelerator="l4"),
+    ):
+        pass
+
+
+def test_invalid_environment_value_names_the_variable():
+    with pytest.raises(ConfigurationError, match="KINETIC_MAX_PARALLEL"):
+        resolve_settings(environ={"KINETIC_MAX_PARALLEL": "many"})
+
+
+def test_gke_backend_without_a_jobs_bucket_says_what_to_set():
+    settings = resolve_settings(environ={}, runner={"backend": "gke"})
+
+    with pytest.raises(ConfigurationError, match="KINETIC_JOBS_BUCKET"):
+        settings.resolved_jobs_root()
