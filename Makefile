@@ -14,7 +14,7 @@ $(UV):
 	$(TOOLS)/bin/pip install --quiet --disable-pip-version-check uv==$(UV_VERSION)
 
 $(VENV)/.synced: $(UV) pyproject.toml uv.lock
-	$(UV) sync --frozen --python $(PYTHON)
+	$(UV) sync --frozen --compile-bytecode --python $(PYTHON)
 	touch $@
 
 demo: $(VENV)/.synced
@@ -29,7 +29,7 @@ lint: $(VENV)/.synced
 	$(VENV)/bin/mypy kinetic_prefect
 
 bench: $(VENV)/.synced
-	$(VENV)/bin/python -m pytest tests/benchmarks -s -p no:cacheprovider -o testpaths=tests/benchmarks
+	for b in tests/benchmarks/bench_*.py; do $(VENV)/bin/python $$b; done
 
 clean:
 	rm -rf $(VENV) $(TOOLS) .kinetic

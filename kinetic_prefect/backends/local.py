@@ -47,6 +47,7 @@ class _Pod:
     cancelled: bool = False
     deadline_exceeded: bool = False
     launched_at: float = field(default_factory=time.monotonic)
+    started_at: float = 0.0
 
 
 def container_env(manifest: Mapping[str, Any], secrets: Secrets) -> dict[str, str]:
@@ -215,6 +216,7 @@ class LocalBackend:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+        pod.started_at = time.monotonic()
         pod.pidfd = os.pidfd_open(pod.process.pid)
         deadline = pod.manifest["spec"].get("activeDeadlineSeconds")
         if deadline:
@@ -275,6 +277,11 @@ class LocalBackend:
             self._running.pop(pod.job_id, None)
         sig = -code if code < 0 else None
         reason = "DeadlineExceeded" if pod.deadline_exceeded else ""
+        with open(pod.log_path, "a") as log:
+            log.write(
+                f"kinetic-prefect local backend: pod exited with code {code} "
+                f"after {time.monotonic() - pod.started_at:.3f}s\n"
+            )
         self._finish(pod, exit_code=code, sig=sig, reason=reason)
 
     def _finish(self, pod: _Pod, exit_code: int | None, sig: int | None, reason: str = "") -> None:

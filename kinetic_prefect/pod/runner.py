@@ -200,15 +200,27 @@ def execute(run: PodRun) -> Any:
             return_type="state",
             context=contents["context"],
         )
+        hydrate_started = time.perf_counter()
         with (
             hydrated_context(contents["context"]),
             handle_engine_signals(contents["task_run"].id),
         ):
+            run.timings["hydrate"] = round(time.perf_counter() - hydrate_started, 4)
             if task.isasync:
                 import asyncio
 
                 return asyncio.run(run_task_async(**kwargs))
             return run_task_sync(**kwargs)
+
+
+def process_age() -> float | None:
+    """Seconds since this process was started (Linux), to time interpreter start-up."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return round(uptime - start_ticks / os.sysconf("SC_CLK_TCK"), 4)
 
 
 def _exception_of(state: Any) -> BaseException | None:
@@ -250,7 +262,10 @@ def _log(message: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    startup = process_age()
     run = _parse_args(argv)
+    if startup is not None:
+        run.timings["startup"] = startup
     try:
         download(run)
         verify(run)
