@@ -133,3 +133,88 @@ def report_state(task_run: TaskRun, state: State[Any]) -> State[Any]:
     task_run.state_name = state.name
     emit_task_run_state_change_event(task_run=task_run, initial_state=last, validated_state=state)
     return state
+
+
+def cached_state(task: Any, task_run: TaskRun, parameters: Mapping[str, Any]) -> State[Any] | None:
+    """A `Cached` state when the task's cache policy hits a committed record, else None.
+
+    Decided here, before any pod: the key is computed as Prefect's engine does
+    and looked up in the task's result store.
+    """
+    from prefect.cache_policies import NO_CACHE, CachePolicy
+    from prefect.results import get_result_store
+    from prefect.settings import PREFECT_TASKS_REFRESH_CACHE
+    from prefect.states import Completed
+
+    policy = task.cache_policy
+    refresh = (
+        task.refresh_cache
+        if task.refresh_cache is not None
+        else PREFECT_TASKS_REFRESH_CACHE.value()
+    )
+    if not isinstance(policy, CachePolicy) or policy is NO_CACHE or refresh:
+        return None
+    store: Any = get_result_store().update_for_task(task, _sync=True)  # type: ignore[call-arg]
+    flow_context = FlowRunContext.get()
+    context = TaskRunContext.model_construct(
+        task=task, task_run=task_run, parameters=dict(parameters), result_store=store
+    )
+    try:
+        key = policy.compute_key(
+            task_ctx=context,
+            inputs=dict(parameters),
+            flow_parameters=(flow_context.parameters if flow_context else None) or {},
+        )
+    except Exception:
+        return None
+    if not key or not store.exists(key):
+        return None
+    record = store.read(key)
+    return Completed(
+        name="Cached", message="Cached: the result was found in the result store.", data=record
+    )
+
+
+def retry_delay(task: Any, attempts_done: int) -> float:
+    """Seconds to wait before the next attempt, per the task's retry settings."""
+    delays = task.retry_delay_seconds
+    if delays is None:
+        return 0.0
+    if isinstance(delays, (list, tuple)):
+        if not delays:
+            return 0.0
+        delay = float(delays[min(attempts_done - 1, len(delays) - 1)])
+    else:
+        delay = float(delays)
+    if task.retry_jitter_factor:
+        from prefect.utilities.math import clamped_poisson_interval
+
+        delay = clamped_poisson_interval(delay, clamping_factor=task.retry_jitter_factor)
+    return max(delay, 0.0)
+
+
+def awaiting_retry(delay: float) -> State[Any]:
+    """Prefect's `AwaitingRetry` state, scheduled `delay` seconds from now."""
+    from prefect.states import AwaitingRetry
+    from prefect.types._datetime import now
+
+    return AwaitingRetry(scheduled_time=now("UTC") + timedelta(seconds=delay))
+
+
+def record_output_location(task_run: TaskRun, rows: Mapping[str, str]) -> None:
+    """A markdown artifact on the task run: where it runs and where its outputs go."""
+    from prefect import get_client
+    from prefect.client.schemas.actions import ArtifactCreate
+
+    table = "\n".join(f"| {name} | `{value}` |" for name, value in rows.items())
+    markdown = f"### Kinetic pod\n\n| | |\n|---|---|\n{table}\n"
+    with get_client(sync_client=True) as client:
+        client.create_artifact(
+            ArtifactCreate(
+                type="markdown",
+                description="Where this task run's pod runs and writes its outputs",
+                data=markdown,
+                task_run_id=task_run.id,
+                flow_run_id=task_run.flow_run_id,
+            )
+        )

@@ -9,13 +9,14 @@ from what the backend saw).
 from __future__ import annotations
 
 import concurrent.futures
+import contextvars
 import inspect
 import json
 import os
 import re
 import threading
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
@@ -28,11 +29,16 @@ from prefect.states import Cancelled, Crashed, Failed, State
 from prefect.task_runners import TaskRunner
 from prefect.utilities.collections import visit_collection
 
-from kinetic_prefect import prefect_bridge, versions
+from kinetic_prefect import prefect_bridge, preflight, versions
 from kinetic_prefect.accelerators import Accelerator, parse_accelerator
 from kinetic_prefect.backends.base import Backend, PodExit
 from kinetic_prefect.config import LaunchSettings, current_overrides, join_uri, resolve_settings
-from kinetic_prefect.errors import PodCrashedError, PodPhaseError, RemoteTraceback
+from kinetic_prefect.errors import (
+    ConfigurationError,
+    PodCrashedError,
+    PodPhaseError,
+    RemoteTraceback,
+)
 from kinetic_prefect.manifest import DEFAULT_SECRET_NAME, LaunchSpec, SecretRef, build_job_manifest
 from kinetic_prefect.manifest import new_job_id as make_job_id
 from kinetic_prefect.packaging import (
@@ -61,38 +67,68 @@ _SECRET_KEYS = {"PREFECT_API_KEY": "api-key", "PREFECT_API_AUTH_STRING": "auth-s
 
 
 class KineticFuture(PrefectConcurrentFuture[Any]):
-    """The future of a task run in a Kinetic pod.
+    """The future of a task run in Kinetic pods.
 
-    Besides Prefect's future API it tells where the run is: `job_id` (the Job
-    and pod name prefix) and `output_dir` (the task's `KINETIC_OUTPUT_DIR`).
+    Besides Prefect's future API it tells where the run is: `job_id` (the
+    current attempt's Job, which is also the pod name prefix), `job_ids` (every
+    attempt) and `output_dir` (the task run's `KINETIC_OUTPUT_DIR`).
     """
 
-    def __init__(
-        self,
-        task_run_id: uuid.UUID,
-        wrapped_future: concurrent.futures.Future[Any],
-        job_id: str,
-        output_dir: str,
-    ) -> None:
-        super().__init__(task_run_id, wrapped_future)
-        self.job_id = job_id
-        self.output_dir = output_dir
+    def __init__(self, launch: _Launch) -> None:
+        super().__init__(launch.task_run.id, launch.future)
+        self._launch = launch
+
+    @property
+    def job_id(self) -> str:
+        return self._launch.job_ids[-1]
+
+    @property
+    def job_ids(self) -> list[str]:
+        return list(self._launch.job_ids)
+
+    @property
+    def output_dir(self) -> str:
+        return self._launch.output_dir
+
+    @property
+    def manifest(self) -> dict[str, Any]:
+        """The Job manifest of the current attempt (empty until launched)."""
+        return dict(self._launch.manifest)
 
 
 @dataclass
 class _Launch:
-    """One task run on its way through a pod."""
+    """One task run on its way through one or more pods (one per attempt)."""
 
     task: Any
     task_run: TaskRun
     future: concurrent.futures.Future[Any]
     settings: LaunchSettings
     accelerator: Accelerator
-    job_id: str
     output_dir: str
+    context: contextvars.Context
+    job_ids: list[str] = field(default_factory=list)
     store: ArtifactStore | None = None
     backend: Backend | None = None
     manifest: dict[str, Any] = field(default_factory=dict)
+    attempts: int = 0
+    parameters: dict[str, Any] = field(default_factory=dict)
+    wait_for_states: list[State[Any]] = field(default_factory=list)
+    dependencies: dict[str, set[Any]] | None = None
+    serialized_context: dict[str, Any] = field(default_factory=dict)
+    retry_timer: threading.Timer | None = None
+
+    @property
+    def job_id(self) -> str:
+        return self.job_ids[-1]
+
+    @property
+    def max_attempts(self) -> int:
+        return (self.task.retries or 0) + 1
+
+    def in_context(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run `fn` with the submitting flow's context (settings, flow run, client)."""
+        return self.context.copy().run(fn, *args)
 
 
 def _contains_future(value: Any) -> bool:
@@ -127,6 +163,11 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
         env: extra environment variables for every pod.
         timeout_seconds: the pod's deadline (`activeDeadlineSeconds`).
         **settings: any other setting of `kinetic_prefect.config.LaunchSettings`.
+
+    Retries: a task's `retries` budget covers exceptions and pods that die
+    without reporting (killed, evicted, preempted) alike; every retry is a new
+    pod for the same task run with the same `KINETIC_OUTPUT_DIR`, launched after
+    `retry_delay_seconds` without holding a pod meanwhile.
 
     Example:
         ```python
@@ -169,10 +210,12 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
     def _reset_runtime(self) -> None:
         self._lock = threading.Lock()
         self._backends: dict[tuple[str, str], Backend] = {}
-        self._launches: dict[str, _Launch] = {}
+        self._launches: dict[uuid.UUID, _Launch] = {}
         self._submitter: concurrent.futures.ThreadPoolExecutor | None = None
         self._context_zips: dict[Path, Artifact] = {}
         self._task_counts: dict[tuple[str, str], int] = {}
+        self._cluster_block: Any = None
+        self._checked_roots: set[str] = set()
         self._closing = False
 
     # -- Prefect's task runner protocol ---------------------------------------
@@ -217,14 +260,18 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
             backends = list(self._backends.values())
             launches = [launch for launch in self._launches.values() if not launch.future.done()]
         for launch in launches:
-            if launch.backend is not None:
+            if launch.retry_timer is not None:
+                launch.retry_timer.cancel()
+            if launch.backend is not None and launch.job_ids:
                 launch.backend.cancel(launch.job_id)
-            else:
-                self._conclude(
-                    launch, Cancelled(message="The flow run ended before the pod started.")
-                )
         for backend in backends:
             backend.close()
+        for launch in launches:
+            launch.in_context(
+                self._conclude,
+                launch,
+                Cancelled(message="The flow run ended while the task run was not finished."),
+            )
         super().__exit__(exc_type, exc_value, traceback)
 
     def submit(
@@ -239,37 +286,38 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
             raise RuntimeError("The task runner must be started (use it as a flow's task_runner).")
         settings = self._settings()
         accelerator = parse_accelerator(settings.accelerator, spot=settings.spot)
+        task = self._with_result_storage(task, settings)
         check_picklable({k: v for k, v in parameters.items() if not _contains_future(v)}, task.name)
         task_run = prefect_bridge.new_task_run(
             task, uuid.uuid4(), parameters, wait_for, dependencies
         )
-        job_id = make_job_id(task.name)
         launch = _Launch(
             task=task,
             task_run=task_run,
             future=concurrent.futures.Future(),
             settings=settings,
             accelerator=accelerator,
-            job_id=job_id,
             output_dir=self._output_dir(settings, task, task_run),
+            context=contextvars.copy_context(),
+            job_ids=[make_job_id(task.name)],
+            serialized_context=prefect_bridge.pod_context(),
         )
-        context = prefect_bridge.pod_context()
         with self._lock:
-            self._launches[job_id] = launch
+            self._launches[task_run.id] = launch
             if self._submitter is None:
                 self._submitter = concurrent.futures.ThreadPoolExecutor(
                     max_workers=8, thread_name_prefix="kinetic-submit"
                 )
             submitter = self._submitter
         submitter.submit(
+            launch.in_context,
             self._prepare_and_launch,
             launch,
             parameters,
             list(wait_for or ()),
             dependencies,
-            context,
         )
-        return KineticFuture(task_run.id, launch.future, job_id, launch.output_dir)
+        return KineticFuture(launch)
 
     def map(
         self,
@@ -279,17 +327,47 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
     ) -> Any:
         return super().map(task, parameters, wait_for)
 
-    # -- settings -------------------------------------------------------------
+    # -- settings and checks before any pod ------------------------------------
+
+    def _cluster_obj(self) -> Any:
+        if self._cluster is None:
+            return None
+        if self._cluster_block is None:
+            from kinetic_prefect.blocks import load_cluster
+
+            self._cluster_block = load_cluster(self._cluster)
+        return self._cluster_block
 
     def _settings(self) -> LaunchSettings:
+        cluster = self._cluster_obj()
         block_settings: Mapping[str, Any] | None = None
-        if self._cluster is not None:
+        if cluster is not None:
             from kinetic_prefect.blocks import cluster_settings
 
-            block_settings = cluster_settings(self._cluster)
-        return resolve_settings(
+            block_settings = cluster_settings(cluster)
+        settings = resolve_settings(
             runner=self._options, overrides=current_overrides(), block=block_settings
         )
+        self._check_storage(settings)
+        return settings
+
+    def _check_storage(self, settings: LaunchSettings) -> None:
+        jobs_root = settings.resolved_jobs_root()
+        if jobs_root in self._checked_roots or "://" not in jobs_root:
+            return
+        preflight.check_jobs_root(jobs_root, self._cluster_obj())
+        self._checked_roots.add(jobs_root)
+
+    def _with_result_storage(self, task: Any, settings: LaunchSettings) -> Any:
+        """Point the task's results at the cluster's result storage; refuse unusable storage."""
+        cluster = self._cluster_obj()
+        storage = task.result_storage
+        if storage is None and cluster is not None and cluster.result_storage is not None:
+            storage = cluster.result_storage
+            task = task.with_options(result_storage=storage, persist_result=True)
+        if "://" in settings.resolved_jobs_root():
+            preflight.check_result_storage(storage)
+        return task
 
     def _output_dir(self, settings: LaunchSettings, task: Any, task_run: TaskRun) -> str:
         root = settings.output_dir or settings.resolved_output_root()
@@ -308,14 +386,12 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
         parameters: dict[str, Any],
         wait_for: list[PrefectFuture[Any]],
         dependencies: dict[str, set[Any]] | None,
-        context: dict[str, Any],
     ) -> None:
         try:
             if wait_for:
                 wait(wait_for)
-            upstream_ok = all(f.state.is_completed() for f in wait_for)
             resolved: dict[str, Any] | None = None
-            if upstream_ok:
+            if all(f.state.is_completed() for f in wait_for):
                 from prefect.exceptions import UpstreamTaskError
                 from prefect.utilities.engine import resolve_inputs_sync
 
@@ -326,17 +402,30 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
             if resolved is None:
                 # Let Prefect's own engine decide NotReady exactly as other runners do;
                 # it returns before calling the task, so no pod is needed.
-                self._run_not_ready(launch, parameters, wait_for, dependencies, context)
+                self._run_not_ready(launch, parameters, wait_for, dependencies)
+                return
+            launch.parameters = resolved
+            launch.wait_for_states = [f.state for f in wait_for]
+            launch.dependencies = dependencies
+            cached = prefect_bridge.cached_state(launch.task, launch.task_run, resolved)
+            if cached is not None:
+                self._conclude(launch, cached)
                 return
             if self._closing:
-                self._conclude(
-                    launch, Cancelled(message="The flow run ended before the pod started.")
-                )
                 return
-            self._launch(launch, resolved, [f.state for f in wait_for], dependencies, context)
+            prefect_bridge.record_output_location(launch.task_run, self._location_rows(launch))
+            self._launch(launch)
         except BaseException as exc:
             logger.debug("Launching %s failed", launch.job_id, exc_info=True)
             self._conclude(launch, Failed(message=f"Could not launch the pod: {exc}", data=exc))
+
+    def _location_rows(self, launch: _Launch) -> dict[str, str]:
+        return {
+            "accelerator": launch.accelerator.name + (" (spot)" if launch.accelerator.spot else ""),
+            "backend": launch.settings.backend,
+            "job id": launch.job_id,
+            "output dir": launch.output_dir,
+        }
 
     def _run_not_ready(
         self,
@@ -344,21 +433,17 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
         parameters: dict[str, Any],
         wait_for: list[PrefectFuture[Any]],
         dependencies: dict[str, set[Any]] | None,
-        context: dict[str, Any],
     ) -> None:
-        from prefect.context import hydrated_context
         from prefect.task_engine import run_task_sync
 
-        with hydrated_context(context):
-            state = run_task_sync(
-                task=launch.task,
-                task_run=launch.task_run,
-                parameters=parameters,
-                wait_for=wait_for or None,
-                dependencies=dependencies,
-                return_type="state",
-                context=context,
-            )
+        state = run_task_sync(
+            task=launch.task,
+            task_run=launch.task_run,
+            parameters=parameters,
+            wait_for=wait_for or None,
+            dependencies=dependencies,
+            return_type="state",
+        )
         launch.future.set_result(state)
 
     def _backend_for(self, settings: LaunchSettings, jobs_root: str) -> Backend:
@@ -366,26 +451,23 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
         with self._lock:
             backend = self._backends.get(key)
             if backend is None:
-                if settings.backend == "local":
-                    from kinetic_prefect.backends.local import LocalBackend
-
-                    workspace = (
-                        Path(jobs_root) / "pods"
-                        if "://" not in jobs_root
-                        else Path.cwd() / ".kinetic" / "pods"
-                    )
-                    backend = LocalBackend(
-                        workspace,
-                        max_parallel=settings.max_parallel,
-                        cancel_grace_seconds=settings.cancel_grace_seconds,
-                    )
-                else:
-                    from kinetic_prefect.errors import ConfigurationError
-
+                if settings.backend != "local":
                     raise ConfigurationError(
                         f"The {settings.backend!r} backend is not available in this version; "
                         "use backend='local'."
                     )
+                from kinetic_prefect.backends.local import LocalBackend
+
+                workspace = (
+                    Path(jobs_root) / "pods"
+                    if "://" not in jobs_root
+                    else Path.cwd() / ".kinetic" / "pods"
+                )
+                backend = LocalBackend(
+                    workspace,
+                    max_parallel=settings.max_parallel,
+                    cancel_grace_seconds=settings.cancel_grace_seconds,
+                )
                 self._backends[key] = backend
             return backend
 
@@ -401,28 +483,24 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
                 self._context_zips[root] = cached
         return cached
 
-    def _launch(
-        self,
-        launch: _Launch,
-        parameters: dict[str, Any],
-        wait_for_states: list[State[Any]],
-        dependencies: dict[str, set[Any]] | None,
-        context: dict[str, Any],
-    ) -> None:
+    def _launch(self, launch: _Launch) -> None:
+        """Package, upload and launch one attempt of the task run."""
         settings = launch.settings
         jobs_root = settings.resolved_jobs_root()
-        store = open_store(jobs_root)
+        store = launch.store or open_store(jobs_root)
         launch.store = store
         source = inspect.getsourcefile(launch.task.fn) if hasattr(launch.task, "fn") else None
         root = find_package_root(source, self._package_root)
+        launch.task_run.run_count = launch.attempts
         payload = build_payload(
             {
-                "task": launch.task,
+                # Retries are the runner's (one budget with relaunches), so the pod never retries.
+                "task": launch.task.with_options(retries=0, retry_delay_seconds=0),
                 "task_run": launch.task_run,
-                "parameters": parameters,
-                "wait_for": wait_for_states or None,
-                "dependencies": dependencies,
-                "context": context,
+                "parameters": launch.parameters,
+                "wait_for": launch.wait_for_states or None,
+                "dependencies": launch.dependencies,
+                "context": launch.serialized_context,
                 "versions": versions.fingerprint(),
             },
             root,
@@ -439,6 +517,7 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
             **prefect_bridge.pod_settings_env(),
             **settings.env,
             "KINETIC_CLIENT_VERSIONS": json.dumps(versions.fingerprint(), sort_keys=True),
+            "KINETIC_ATTEMPT": str(launch.attempts + 1),
             "PYTHONUNBUFFERED": "1",
         }
         spec = LaunchSpec(
@@ -466,32 +545,38 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
         launch.manifest = build_job_manifest(spec)
         backend = self._backend_for(settings, jobs_root)
         launch.backend = backend
+        launch.attempts += 1
         backend.launch(
             launch.manifest,
-            on_exit=lambda outcome: self._on_pod_exit(launch, outcome),
+            on_exit=lambda outcome: launch.in_context(self._on_pod_exit, launch, outcome),
             secrets={DEFAULT_SECRET_NAME: {_SECRET_KEYS[k]: v for k, v in secrets.items()}},
         )
 
     # -- completion (runs on the backend's watcher thread) --------------------
 
     def _on_pod_exit(self, launch: _Launch, outcome: PodExit) -> None:
+        if launch.future.done() or outcome.job_id != launch.job_id:
+            return
         try:
-            state = self._final_state(launch, outcome)
+            state, reported_by_pod = self._final_state(launch, outcome)
         except Exception as exc:
             logger.exception("Reading the final state of %s failed", launch.job_id)
             state = Failed(message=f"Could not read the pod's final state: {exc}", data=exc)
-            self._conclude(launch, state)
+            reported_by_pod = False
+        if not reported_by_pod:
+            prefect_bridge.report_state(launch.task_run, state)
+        if self._should_retry(launch, state, outcome):
+            self._schedule_retry(launch)
             return
-        if state is not None:
-            launch.future.set_result(state)
+        launch.future.set_result(state)
 
-    def _final_state(self, launch: _Launch, outcome: PodExit) -> State[Any] | None:
+    def _final_state(self, launch: _Launch, outcome: PodExit) -> tuple[State[Any], bool]:
+        """The attempt's final state, and whether the pod reported it to Prefect itself."""
         assert launch.store is not None
         prefix = f"kinetic/{launch.job_id}"
         record_key = f"{prefix}/{FINAL_STATE_JSON}"
         if not launch.store.exists(record_key):
-            self._conclude_without_record(launch, outcome)
-            return None
+            return self._state_without_record(launch, outcome), False
         record = FinalRecord.from_json(launch.store.get_bytes(record_key))
         if record.status == STATUS_PHASE_FAILED:
             error = PodPhaseError(
@@ -502,27 +587,67 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
             )
             if record.traceback:
                 error.__cause__ = RemoteTraceback(record.traceback)
-            self._conclude(launch, Failed(message=str(error), data=error))
-            return None
+            return Failed(message=str(error), data=error), False
         final = cloudpickle.loads(launch.store.get_bytes(f"{prefix}/{FINAL_STATE_PICKLE}"))
         state: State[Any] = final["state"]
+        if final.get("task_run") is not None:
+            launch.task_run = final["task_run"]
         if final.get("traceback"):
             _attach_remote_traceback(state, final["traceback"])
-        return state
+        return state, True
 
-    def _conclude_without_record(self, launch: _Launch, outcome: PodExit) -> None:
+    def _state_without_record(self, launch: _Launch, outcome: PodExit) -> State[Any]:
         if outcome.cancelled:
-            self._conclude(launch, Cancelled(message=f"Pod {launch.job_id} was cancelled."))
-            return
+            return Cancelled(message=f"Pod {launch.job_id} was cancelled.")
         message = (
             f"Pod {launch.job_id} ended without reporting a final state: {outcome.describe()}."
         )
         if outcome.log_tail:
             message += f" Last log lines:\n{outcome.log_tail}"
-        self._conclude(launch, Crashed(message=message, data=PodCrashedError(message)))
+        return Crashed(message=message, data=PodCrashedError(message))
+
+    def _should_retry(self, launch: _Launch, state: State[Any], outcome: PodExit) -> bool:
+        if self._closing or outcome.cancelled or launch.attempts >= launch.max_attempts:
+            return False
+        if not (state.is_failed() or state.is_crashed()):
+            return False
+        if isinstance(_exception_or_none(state), PodPhaseError):
+            return False
+        condition = getattr(launch.task, "retry_condition_fn", None)
+        if condition is not None and state.is_failed():
+            return bool(condition(launch.task, launch.task_run, state))
+        return True
+
+    def _schedule_retry(self, launch: _Launch) -> None:
+        """Wait out the retry delay without a pod, then launch the next attempt."""
+        delay = prefect_bridge.retry_delay(launch.task, launch.attempts)
+        prefect_bridge.report_state(launch.task_run, prefect_bridge.awaiting_retry(delay))
+        launch.job_ids.append(make_job_id(launch.task.name))
+        logger.info(
+            "Task run %s: attempt %d of %d failed; relaunching as %s in %.1fs",
+            launch.task_run.name,
+            launch.attempts,
+            launch.max_attempts,
+            launch.job_id,
+            delay,
+        )
+
+        def relaunch() -> None:
+            try:
+                if not self._closing:
+                    self._launch(launch)
+            except BaseException as exc:
+                self._conclude(
+                    launch, Failed(message=f"Could not relaunch the pod: {exc}", data=exc)
+                )
+
+        timer = threading.Timer(delay, launch.in_context, args=(relaunch,))
+        timer.daemon = True
+        launch.retry_timer = timer
+        timer.start()
 
     def _conclude(self, launch: _Launch, state: State[Any]) -> None:
-        """Report a state the pod could not report itself, and resolve the future."""
+        """Report a state no pod reported, and resolve the future with it."""
         if launch.future.done():
             return
         try:
@@ -536,14 +661,9 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
     # -- introspection --------------------------------------------------------
 
     def backend_of(self, future: KineticFuture) -> Backend | None:
-        """The backend running `future`'s pod (for tooling and tests)."""
-        launch = self._launches.get(future.job_id)
+        """The backend running `future`'s pods (for tooling and tests)."""
+        launch = self._launches.get(future.task_run_id)
         return launch.backend if launch else None
-
-    def manifest_of(self, future: KineticFuture) -> dict[str, Any]:
-        """The Job manifest launched for `future` (empty until launched)."""
-        launch = self._launches.get(future.job_id)
-        return dict(launch.manifest) if launch else {}
 
     @property
     def launch_count(self) -> int:
@@ -552,12 +672,17 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
             return sum(b.launch_count for b in self._backends.values())
 
 
-def _attach_remote_traceback(state: State[Any], text: str) -> None:
+def _exception_or_none(state: State[Any]) -> BaseException | None:
     try:
-        exc = state.result(raise_on_failure=False)
+        value = state.result(raise_on_failure=False)
     except Exception:
-        return
-    if isinstance(exc, BaseException) and not isinstance(exc.__cause__, RemoteTraceback):
+        return None
+    return value if isinstance(value, BaseException) else None
+
+
+def _attach_remote_traceback(state: State[Any], text: str) -> None:
+    exc = _exception_or_none(state)
+    if exc is not None and not isinstance(exc.__cause__, RemoteTraceback):
         exc.__cause__ = RemoteTraceback(text)
 
 

@@ -233,6 +233,25 @@ def _exception_of(state: Any) -> BaseException | None:
     return value if isinstance(value, BaseException) else None
 
 
+def _shippable(state: Any, task: Any) -> Any:
+    """The state to send back: a persisted result travels as its metadata only.
+
+    The orchestrator then reads the value through Prefect's result store, like
+    any other Prefect process would, instead of through the pod's report.
+    """
+    from prefect._internal.result_records import ResultRecord
+
+    record = state.data
+    if (
+        isinstance(record, ResultRecord)
+        and state.is_completed()
+        and task.persist_result is True
+        and record.metadata.storage_block_id is not None
+    ):
+        return state.model_copy(update={"data": record.metadata})
+    return state
+
+
 def report(run: PodRun, state: Any) -> int:
     with run.phase("report", "the task's return value must be picklable"):
         import cloudpickle
@@ -241,7 +260,13 @@ def report(run: PodRun, state: Any) -> int:
         tb = "".join(traceback.format_exception(exc)) if exc is not None else None
         storage.write_uri(
             f"{run.job_dir}/{FINAL_STATE_PICKLE}",
-            cloudpickle.dumps({"state": state, "traceback": tb}),
+            cloudpickle.dumps(
+                {
+                    "state": _shippable(state, run.contents["task"]),
+                    "traceback": tb,
+                    "task_run": run.contents["task_run"],
+                }
+            ),
         )
         run.write_record(
             FinalRecord(
