@@ -35,6 +35,21 @@ class KineticGcpCredentials(GcpCredentials):
     _block_type_slug = "kinetic-gcp-credentials"
     _description = "GCP credentials with retrying storage clients and GCS emulator support."
 
+    def block_initialization(self) -> None:
+        # prefect-gcp resolves credentials when the block is built; the emulator has
+        # none, and a block loaded before credentials exist must still load: the
+        # preflight check says what to set before any pod starts.
+        if gcs.emulator_host():
+            self.project = self.project or gcs.EMULATOR_PROJECT
+            return
+        try:
+            super().block_initialization()
+        except Exception as exc:
+            import google.auth.exceptions
+
+            if not isinstance(exc, google.auth.exceptions.DefaultCredentialsError):
+                raise
+
     def get_credentials_from_service_account(self) -> Any:
         if gcs.emulator_host():
             from google.auth.credentials import AnonymousCredentials

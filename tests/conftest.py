@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -53,3 +54,47 @@ def launched_manifests(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[dict[st
     yield seen
     for manifest in seen:
         kubernetes_validate.validate(manifest, kubernetes_validate.latest_version(), strict=True)
+
+
+@pytest.fixture(scope="session")
+def gcs_server() -> Iterator[str]:
+    """One fake-gcs-server for the session (buckets are per test)."""
+    from tests.helpers.gcs import fake_gcs_server
+
+    with fake_gcs_server() as url:
+        yield url
+
+
+@pytest.fixture
+def gcs_endpoint(gcs_server: str) -> str:
+    """The endpoint GCS clients use in a test (a fault proxy overrides this)."""
+    return gcs_server
+
+
+@pytest.fixture
+def gcs(gcs_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[GcsTestBucket]:
+    """Emulator mode for this process and its pods, with a fresh bucket."""
+    import uuid
+
+    from kinetic_prefect import gcs as kgcs
+
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_endpoint)
+    monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", gcs_endpoint)
+    kgcs._clients.clear()
+    client = kgcs.storage_client()
+    bucket = client.create_bucket(f"kp-{uuid.uuid4().hex[:12]}")
+    yield GcsTestBucket(name=bucket.name, client=client)
+    kgcs._clients.clear()
+
+
+@dataclasses.dataclass
+class GcsTestBucket:
+    name: str
+    client: Any
+
+    @property
+    def uri(self) -> str:
+        return f"gs://{self.name}"
+
+    def names(self, prefix: str = "") -> list[str]:
+        return sorted(b.name for b in self.client.list_blobs(self.name, prefix=prefix))

@@ -1,0 +1,37 @@
+"""Job artifacts in the jobs store: listing and cleanup.
+
+Cleanup removes `kinetic/{job_id}/` (payload, code archive, final state) and
+local pod workspaces. It never touches `outputs/` (checkpoints and results
+outlive every pod) or `data-cache/`.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+from kinetic_prefect.storage import open_store
+
+JOBS_PREFIX = "kinetic"
+
+
+def cleanup_jobs(jobs_root: str, job_ids: Iterable[str]) -> int:
+    """Delete the artifacts of `job_ids` under `jobs_root`; returns files removed.
+
+    Example:
+        ```python
+        cleanup_jobs(".kinetic", [future.job_id for future in futures])
+        ```
+    """
+    store = open_store(jobs_root)
+    removed = 0
+    for job_id in job_ids:
+        if not job_id or "/" in job_id or job_id in {".", ".."}:
+            raise ValueError(f"Invalid job id {job_id!r}.")
+        removed += store.delete_prefix(f"{JOBS_PREFIX}/{job_id}")
+        if "://" not in jobs_root:
+            workspace = Path(jobs_root) / "pods" / job_id
+            if workspace.is_dir():
+                shutil.rmtree(workspace)
+    return removed
