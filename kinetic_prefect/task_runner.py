@@ -362,11 +362,13 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
         """Point the task's results at the cluster's result storage; refuse unusable storage."""
         cluster = self._cluster_obj()
         storage = task.result_storage
-        if storage is None and cluster is not None and cluster.result_storage is not None:
+        from_cluster = storage is None and cluster is not None and cluster.result_storage
+        if from_cluster:
             storage = cluster.result_storage
-            task = task.with_options(result_storage=storage, persist_result=True)
         if "://" in settings.resolved_jobs_root():
             preflight.check_result_storage(storage)
+        if from_cluster:
+            task = task.with_options(result_storage=storage, persist_result=True)
         return task
 
     def _output_dir(self, settings: LaunchSettings, task: Any, task_run: TaskRun) -> str:
