@@ -8,8 +8,8 @@ import pytest
 from prefect import flow, task
 
 from kinetic_prefect import KineticTaskRunner
-from tests.helpers.gcs import FaultInjectingProxy
 from kinetic_prefect.checkpoint import checkpoint_manager
+from tests.helpers.gcs import FaultInjectingProxy
 from tests.test_results_and_retries import _gcs_cluster
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")

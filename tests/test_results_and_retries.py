@@ -20,7 +20,7 @@ from kinetic_prefect.blocks import KineticCluster, KineticGcpCredentials
 from kinetic_prefect.checkpoint import checkpoint_manager, output_dir
 from kinetic_prefect.errors import ConfigurationError
 from kinetic_prefect.jobs import cleanup_jobs
-from tests.helpers.waiting import wait_for_task_run_state, wait_until
+from tests.helpers.waiting import wait_for_task_run_state
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
 
