@@ -40,7 +40,7 @@ class KineticGcpCredentials(GcpCredentials):
         # none, and a block loaded before credentials exist must still load: the
         # preflight check says what to set before any pod starts.
         if gcs.emulator_host():
-            self.project = self.project or gcs.EMULATOR_PROJECT
+            self.project = self.project or gcs.EMULATOR_PROJECT  # type: ignore[has-type]
             return
         try:
             super().block_initialization()
