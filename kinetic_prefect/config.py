@@ -20,6 +20,7 @@ from typing import Any
 from kinetic_prefect.errors import ConfigurationError
 
 BACKENDS = ("local", "gke")
+DEFAULT_IMAGE = "python:3.11-slim"
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,10 @@ class LaunchSettings:
             "The gke backend needs a jobs bucket: set `jobs_bucket` on the KineticCluster "
             "block or KINETIC_JOBS_BUCKET=gs://your-bucket."
         )
+
+    def resolved_image(self) -> str:
+        """The pod container image; the local backend runs this interpreter whatever it is."""
+        return self.container_image or DEFAULT_IMAGE
 
     def resolved_output_root(self) -> str:
         """The root under which each task gets `{flow_run_id}/{task_key}`."""

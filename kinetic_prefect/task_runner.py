@@ -12,7 +12,6 @@ import concurrent.futures
 import contextvars
 import inspect
 import json
-import os
 import re
 import threading
 import uuid
@@ -528,7 +527,7 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
             task_run_id=str(launch.task_run.id),
             flow_run_id=str(launch.task_run.flow_run_id) if launch.task_run.flow_run_id else None,
             accelerator=launch.accelerator,
-            image=settings.container_image or _default_image(),
+            image=settings.resolved_image(),
             namespace=settings.namespace,
             payload_uri=payload_uri,
             payload_sha256=payload.sha256,
@@ -686,7 +685,3 @@ def _attach_remote_traceback(state: State[Any], text: str) -> None:
     exc = _exception_or_none(state)
     if exc is not None and not isinstance(exc.__cause__, RemoteTraceback):
         exc.__cause__ = RemoteTraceback(text)
-
-
-def _default_image() -> str:
-    return os.environ.get("KINETIC_DEFAULT_IMAGE") or "python:3.11-slim"

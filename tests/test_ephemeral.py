@@ -1,0 +1,47 @@
+"""The embedded default works in Prefect's ephemeral mode: no API URL, no server to start."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = """
+import json, os
+from prefect import flow, task
+from kinetic_prefect import KineticTaskRunner
+
+@task
+def pid_and_square(x):
+    return x * x, os.getpid()
+
+@flow(task_runner=KineticTaskRunner())
+def squares():
+    return [f.result() for f in pid_and_square.map([1, 2, 3])]
+
+print("RESULT " + json.dumps({"results": squares(), "flow_pid": os.getpid()}))
+"""
+
+
+def test_runner_with_no_settings_runs_pods_in_prefect_ephemeral_mode(tmp_path: Path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "KINETIC_"))}
+    env.update(
+        PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false"
+    )
+
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
+    outcome = json.loads(line.removeprefix("RESULT "))
+
+    assert [value for value, _ in outcome["results"]] == [1, 4, 9]
+    assert outcome["flow_pid"] not in {pid for _, pid in outcome["results"]}
+    assert (tmp_path / ".kinetic" / "kinetic").is_dir()
