@@ -20,8 +20,12 @@ from typing import Any
 __version__ = "0.1.0"
 
 __all__ = [
+    "KineticCluster",
     "KineticFuture",
+    "KineticGcpCredentials",
     "KineticTaskRunner",
+    "checkpoint_manager",
+    "output_dir",
     "resources",
 ]
 
@@ -29,6 +33,10 @@ _LAZY = {
     "KineticTaskRunner": "kinetic_prefect.task_runner",
     "KineticFuture": "kinetic_prefect.task_runner",
     "resources": "kinetic_prefect.config",
+    "output_dir": "kinetic_prefect.checkpoint",
+    "checkpoint_manager": "kinetic_prefect.checkpoint",
+    "KineticCluster": "kinetic_prefect.blocks",
+    "KineticGcpCredentials": "kinetic_prefect.blocks",
 }
 
 
