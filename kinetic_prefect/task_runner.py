@@ -30,10 +30,10 @@ from prefect.utilities.collections import visit_collection
 
 from kinetic_prefect import prefect_bridge, preflight, versions
 from kinetic_prefect.accelerators import Accelerator, parse_accelerator
+from kinetic_prefect.backends import create_backend
 from kinetic_prefect.backends.base import Backend, PodExit
 from kinetic_prefect.config import LaunchSettings, current_overrides, join_uri, resolve_settings
 from kinetic_prefect.errors import (
-    ConfigurationError,
     PodCrashedError,
     PodPhaseError,
     RemoteTraceback,
@@ -452,23 +452,7 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
         with self._lock:
             backend = self._backends.get(key)
             if backend is None:
-                if settings.backend != "local":
-                    raise ConfigurationError(
-                        f"The {settings.backend!r} backend is not available in this version; "
-                        "use backend='local'."
-                    )
-                from kinetic_prefect.backends.local import LocalBackend
-
-                workspace = (
-                    Path(jobs_root) / "pods"
-                    if "://" not in jobs_root
-                    else Path.cwd() / ".kinetic" / "pods"
-                )
-                backend = LocalBackend(
-                    workspace,
-                    max_parallel=settings.max_parallel,
-                    cancel_grace_seconds=settings.cancel_grace_seconds,
-                )
+                backend = create_backend(settings, jobs_root, self._cluster_obj())
                 self._backends[key] = backend
             return backend
 
