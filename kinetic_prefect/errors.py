@@ -44,6 +44,10 @@ class PodCrashedError(KineticError):
     """The pod ended without reporting a final state (killed, evicted, out of memory, deadline)."""
 
 
+class PodStartError(KineticError):
+    """The pod never started: image pull error, unschedulable, quota; the message says which."""
+
+
 class RemoteTraceback(Exception):
     """Carries the traceback text of an exception raised inside a pod.
 

@@ -24,7 +24,7 @@ import cloudpickle
 from prefect.client.schemas.objects import TaskRun
 from prefect.futures import PrefectConcurrentFuture, PrefectFuture, wait
 from prefect.logging import get_logger
-from prefect.states import Cancelled, Crashed, Failed, State
+from prefect.states import Cancelled, Crashed, Failed, Pending, State
 from prefect.task_runners import TaskRunner
 from prefect.utilities.collections import visit_collection
 
@@ -36,6 +36,7 @@ from kinetic_prefect.config import LaunchSettings, current_overrides, join_uri, 
 from kinetic_prefect.errors import (
     PodCrashedError,
     PodPhaseError,
+    PodStartError,
     RemoteTraceback,
 )
 from kinetic_prefect.manifest import DEFAULT_SECRET_NAME, LaunchSpec, SecretRef, build_job_manifest
@@ -535,6 +536,15 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
             launch.manifest,
             on_exit=lambda outcome: launch.in_context(self._on_pod_exit, launch, outcome),
             secrets={DEFAULT_SECRET_NAME: {_SECRET_KEYS[k]: v for k, v in secrets.items()}},
+            on_pending=lambda reason: launch.in_context(self._on_pod_pending, launch, reason),
+        )
+
+    def _on_pod_pending(self, launch: _Launch, reason: str) -> None:
+        """Show why the pod is not running yet as the task run's Pending message."""
+        if launch.future.done():
+            return
+        prefect_bridge.report_state(
+            launch.task_run, Pending(message=f"Pod {launch.job_id} is pending: {reason}")
         )
 
     # -- completion (runs on the backend's watcher thread) --------------------
@@ -582,6 +592,9 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
         return state, True
 
     def _state_without_record(self, launch: _Launch, outcome: PodExit) -> State[Any]:
+        if outcome.start_failure:
+            message = f"Pod {launch.job_id} could not start: {outcome.start_failure}"
+            return Failed(message=message, data=PodStartError(message))
         if outcome.cancelled:
             return Cancelled(message=f"Pod {launch.job_id} was cancelled.")
         message = (
@@ -596,7 +609,7 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
             return False
         if not (state.is_failed() or state.is_crashed()):
             return False
-        if isinstance(_exception_or_none(state), PodPhaseError):
+        if isinstance(_exception_or_none(state), (PodPhaseError, PodStartError)):
             return False
         condition = getattr(launch.task, "retry_condition_fn", None)
         if condition is not None and state.is_failed():

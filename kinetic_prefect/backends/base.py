@@ -20,8 +20,13 @@ class PodExit:
     reason: str = ""
     cancelled: bool = False
     log_tail: str = ""
+    # Set when the pod never started (image pull error, unschedulable past the
+    # pending timeout, quota): the task run fails with this reason, no retry.
+    start_failure: str | None = None
 
     def describe(self) -> str:
+        if self.start_failure:
+            return f"the pod could not start: {self.start_failure}"
         if self.cancelled:
             return "the pod was cancelled"
         if self.signal is not None:
@@ -32,6 +37,8 @@ class PodExit:
 
 
 OnExit = Callable[[PodExit], None]
+# Called with a human-readable reason while a pod waits to start (or None once it runs).
+OnPending = Callable[[str], None]
 
 
 class Backend(Protocol):
@@ -39,7 +46,15 @@ class Backend(Protocol):
 
     launch_count: int
 
-    def launch(self, manifest: dict[str, Any], on_exit: OnExit, secrets: Secrets) -> None: ...
+    def launch(
+        self,
+        manifest: dict[str, Any],
+        on_exit: OnExit,
+        secrets: Secrets,
+        on_pending: OnPending | None = None,
+    ) -> None:
+        """Start the Job; call `on_exit` exactly once when its pod has ended for good."""
+        ...
 
     def cancel(self, job_id: str) -> None: ...
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from prefect.logging import get_logger
 
-from kinetic_prefect.backends.base import OnExit, PodExit, Secrets
+from kinetic_prefect.backends.base import OnExit, OnPending, PodExit, Secrets
 from kinetic_prefect.manifest import container_of
 
 logger = get_logger("kinetic_prefect.backends.local")
@@ -106,7 +106,13 @@ class LocalBackend:
 
     # -- public API -------------------------------------------------------
 
-    def launch(self, manifest: dict[str, Any], on_exit: OnExit, secrets: Secrets) -> None:
+    def launch(
+        self,
+        manifest: dict[str, Any],
+        on_exit: OnExit,
+        secrets: Secrets,
+        on_pending: OnPending | None = None,
+    ) -> None:
         job_id = manifest["metadata"]["name"]
         self.workspace.mkdir(parents=True, exist_ok=True)
         pod = _Pod(

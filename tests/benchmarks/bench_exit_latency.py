@@ -62,7 +62,7 @@ def _run(n: int) -> list[str]:
         for future in futures:
             # Pods take seconds to start, so no future is done yet; a callback added
             # to a done future would run at once and record the wrong moment.
-            assert not future.wrapped_future.done()
+            assert not future.wrapped_future.done(), (future.state, future.job_id)
             future.add_done_callback(_record_resolution)
         assert [f.result() for f in futures] == [x + 1 for x in range(n)]
         return [f.job_id for f in futures]
