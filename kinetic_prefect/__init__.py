@@ -20,6 +20,7 @@ from typing import Any
 __version__ = "0.1.0"
 
 __all__ = [
+    "Data",
     "KineticCluster",
     "KineticFuture",
     "KineticGcpCredentials",
@@ -33,6 +34,7 @@ _LAZY = {
     "KineticTaskRunner": "kinetic_prefect.task_runner",
     "KineticFuture": "kinetic_prefect.task_runner",
     "resources": "kinetic_prefect.config",
+    "Data": "kinetic_prefect.data",
     "output_dir": "kinetic_prefect.checkpoint",
     "checkpoint_manager": "kinetic_prefect.checkpoint",
     "KineticCluster": "kinetic_prefect.blocks",

@@ -8,9 +8,11 @@ layer, so uploads, downloads and Prefect result writes all survive a flaky GCS.
 
 from __future__ import annotations
 
+import io
 import os
 import threading
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 if TYPE_CHECKING:
     from google.cloud.storage import Client
@@ -128,16 +130,31 @@ class GcsStore:
         return f"gs://{self.bucket_name}/{self._name(key)}"
 
     def put_bytes(self, key: str, data: bytes) -> str:
+        return self.put_stream(key, io.BytesIO(data), len(data))
+
+    def put_stream(self, key: str, stream: BinaryIO, size: int) -> str:
         from google.cloud.storage.retry import DEFAULT_RETRY
 
-        self._blob(key).upload_from_string(data, retry=DEFAULT_RETRY)
-        self.bytes_uploaded += len(data)
+        self._blob(key).upload_from_file(stream, size=size, rewind=False, retry=DEFAULT_RETRY)
+        self.bytes_uploaded += size
         self.uploads += 1
         return self.uri(key)
 
     def get_bytes(self, key: str) -> bytes:
         data: bytes = self._blob(key).download_as_bytes()
         return data
+
+    def get_file(self, key: str, destination: Path) -> None:
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        self._blob(key).download_to_filename(str(destination))
+
+    def list(self, prefix: str) -> list[tuple[str, int]]:
+        name = self._name(prefix)
+        strip = f"{self.prefix}/" if self.prefix else ""
+        return sorted(
+            (blob.name[len(strip) :], int(blob.size or 0))
+            for blob in self.client.list_blobs(self.bucket_name, prefix=name)
+        )
 
     def exists(self, key: str) -> bool:
         return bool(self._blob(key).exists())

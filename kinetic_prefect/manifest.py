@@ -47,6 +47,41 @@ class SecretRef:
     key: str
 
 
+GCSFUSE_DRIVER = "gcsfuse.csi.storage.gke.io"
+GCSFUSE_ANNOTATION = "gke-gcsfuse/volumes"
+DATA_MOUNT_ROOT = "/mnt/kinetic-data"
+
+
+@dataclass(frozen=True)
+class DataVolume:
+    """A read-only GCS FUSE mount of one bucket folder (`only-dir`) for a `Data(fuse=True)`."""
+
+    name: str
+    bucket: str
+    only_dir: str
+
+    @classmethod
+    def for_uri(cls, name: str, uri: str, is_dir: bool) -> DataVolume:
+        bucket, _, key = uri[len("gs://") :].partition("/")
+        folder = key.rstrip("/") if is_dir else key.rpartition("/")[0]
+        return cls(name=name, bucket=bucket, only_dir=folder)
+
+    @property
+    def mount_path(self) -> str:
+        return f"{DATA_MOUNT_ROOT}/{self.name}"
+
+    def volume(self) -> dict[str, Any]:
+        options = "implicit-dirs" + (f",only-dir={self.only_dir}" if self.only_dir else "")
+        return {
+            "name": self.name,
+            "csi": {
+                "driver": GCSFUSE_DRIVER,
+                "readOnly": True,
+                "volumeAttributes": {"bucketName": self.bucket, "mountOptions": options},
+            },
+        }
+
+
 @dataclass(frozen=True)
 class LaunchSpec:
     """Everything that decides one pod: what to run, where, and with what."""
@@ -69,6 +104,7 @@ class LaunchSpec:
     timeout_seconds: int | None = None
     ttl_seconds_after_finished: int = 3600
     service_account: str | None = None
+    data_volumes: tuple[DataVolume, ...] = ()
 
     def labels(self) -> dict[str, str]:
         labels = {
@@ -158,11 +194,18 @@ def build_job_manifest(spec: LaunchSpec) -> dict[str, Any]:
         ANNOTATION_TASK_NAME: spec.task_name,
         ANNOTATION_OUTPUT_DIR: spec.output_dir,
     }
+    pod_annotations = dict(annotations)
+    if spec.data_volumes:
+        pod_spec["volumes"] = [v.volume() for v in spec.data_volumes]
+        container["volumeMounts"] = [
+            {"name": v.name, "mountPath": v.mount_path, "readOnly": True} for v in spec.data_volumes
+        ]
+        pod_annotations[GCSFUSE_ANNOTATION] = "true"
     job_spec: dict[str, Any] = {
         "backoffLimit": 0,
         "ttlSecondsAfterFinished": spec.ttl_seconds_after_finished,
         "template": {
-            "metadata": {"labels": spec.labels(), "annotations": dict(annotations)},
+            "metadata": {"labels": spec.labels(), "annotations": pod_annotations},
             "spec": pod_spec,
         },
     }

@@ -218,3 +218,20 @@ def record_output_location(task_run: TaskRun, rows: Mapping[str, str]) -> None:
                 flow_run_id=task_run.flow_run_id,
             )
         )
+
+
+def record_data_used(task_run: TaskRun, rows: list[dict[str, Any]]) -> None:
+    """A table artifact on the task run: each `Data` it used, its content hash and size."""
+    from prefect import get_client
+    from prefect.client.schemas.actions import ArtifactCreate
+
+    with get_client(sync_client=True) as client:
+        client.create_artifact(
+            ArtifactCreate(
+                type="table",
+                description="Data this task run used (URI, content hash, bytes)",
+                data=rows,
+                task_run_id=task_run.id,
+                flow_run_id=task_run.flow_run_id,
+            )
+        )

@@ -6,22 +6,27 @@ the pod downloads payloads and writes final states. Keys are `/`-separated.
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Protocol
+from typing import BinaryIO, Protocol
 
 
 class ArtifactStore(Protocol):
     """What both stores offer; `key`s are relative to the store's root."""
 
     root: str
+    bytes_uploaded: int
 
     def uri(self, key: str) -> str: ...
     def put_bytes(self, key: str, data: bytes) -> str: ...
+    def put_stream(self, key: str, stream: BinaryIO, size: int) -> str: ...
     def get_bytes(self, key: str) -> bytes: ...
+    def get_file(self, key: str, destination: Path) -> None: ...
     def exists(self, key: str) -> bool: ...
+    def list(self, prefix: str) -> list[tuple[str, int]]: ...
     def delete_prefix(self, prefix: str) -> int: ...
 
 
@@ -30,6 +35,7 @@ class LocalStore:
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = str(Path(root).absolute())
+        self.bytes_uploaded = 0
 
     def _path(self, key: str) -> Path:
         path = (Path(self.root) / key).resolve()
@@ -41,20 +47,39 @@ class LocalStore:
         return str(self._path(key))
 
     def put_bytes(self, key: str, data: bytes) -> str:
+        return self.put_stream(key, io.BytesIO(data), len(data))
+
+    def put_stream(self, key: str, stream: BinaryIO, size: int) -> str:
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
         try:
             with os.fdopen(fd, "wb") as handle:
-                handle.write(data)
+                shutil.copyfileobj(stream, handle, 1024 * 1024)
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+        self.bytes_uploaded += size
         return str(path)
 
     def get_bytes(self, key: str) -> bytes:
         return self._path(key).read_bytes()
+
+    def get_file(self, key: str, destination: Path) -> None:
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(self._path(key), destination)
+
+    def list(self, prefix: str) -> list[tuple[str, int]]:
+        base = self._path(prefix)
+        if base.is_file():
+            return [(prefix, base.stat().st_size)]
+        root = Path(self.root).resolve()
+        return sorted(
+            (p.resolve().relative_to(root).as_posix(), p.stat().st_size)
+            for p in base.rglob("*")
+            if p.is_file() and not p.name.startswith(".")
+        )
 
     def exists(self, key: str) -> bool:
         return self._path(key).exists()

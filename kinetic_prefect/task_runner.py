@@ -28,7 +28,7 @@ from prefect.states import Cancelled, Crashed, Failed, Pending, State
 from prefect.task_runners import TaskRunner
 from prefect.utilities.collections import visit_collection
 
-from kinetic_prefect import prefect_bridge, preflight, versions
+from kinetic_prefect import data, prefect_bridge, preflight, versions
 from kinetic_prefect.accelerators import Accelerator, parse_accelerator
 from kinetic_prefect.backends import create_backend
 from kinetic_prefect.backends.base import Backend, PodExit
@@ -39,7 +39,13 @@ from kinetic_prefect.errors import (
     PodStartError,
     RemoteTraceback,
 )
-from kinetic_prefect.manifest import DEFAULT_SECRET_NAME, LaunchSpec, SecretRef, build_job_manifest
+from kinetic_prefect.manifest import (
+    DEFAULT_SECRET_NAME,
+    DataVolume,
+    LaunchSpec,
+    SecretRef,
+    build_job_manifest,
+)
 from kinetic_prefect.manifest import new_job_id as make_job_id
 from kinetic_prefect.packaging import (
     Artifact,
@@ -95,6 +101,11 @@ class KineticFuture(PrefectConcurrentFuture[Any]):
         """The Job manifest of the current attempt (empty until launched)."""
         return dict(self._launch.manifest)
 
+    @property
+    def data_bytes_uploaded(self) -> int:
+        """Bytes of local `Data` this submission uploaded (0 when the cache had them)."""
+        return self._launch.data_bytes_uploaded
+
 
 @dataclass
 class _Launch:
@@ -117,6 +128,9 @@ class _Launch:
     dependencies: dict[str, set[Any]] | None = None
     serialized_context: dict[str, Any] = field(default_factory=dict)
     retry_timer: threading.Timer | None = None
+    data_volumes: tuple[DataVolume, ...] = ()
+    local_data_paths: tuple[Path, ...] = ()
+    data_bytes_uploaded: int = 0
 
     @property
     def job_id(self) -> str:
@@ -212,7 +226,7 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
         self._backends: dict[tuple[str, str], Backend] = {}
         self._launches: dict[uuid.UUID, _Launch] = {}
         self._submitter: concurrent.futures.ThreadPoolExecutor | None = None
-        self._context_zips: dict[Path, Artifact] = {}
+        self._context_zips: dict[tuple[Path, tuple[str, ...]], Artifact] = {}
         self._task_counts: dict[tuple[str, str], int] = {}
         self._cluster_block: Any = None
         self._checked_roots: set[str] = set()
@@ -406,7 +420,7 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
                 # it returns before calling the task, so no pod is needed.
                 self._run_not_ready(launch, parameters, wait_for, dependencies)
                 return
-            launch.parameters = resolved
+            launch.parameters = self._ship_data(launch, resolved)
             launch.wait_for_states = [f.state for f in wait_for]
             launch.dependencies = dependencies
             cached = prefect_bridge.cached_state(launch.task, launch.task_run, resolved)
@@ -420,6 +434,49 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
         except BaseException as exc:
             logger.debug("Launching %s failed", launch.job_id, exc_info=True)
             self._conclude(launch, Failed(message=f"Could not launch the pod: {exc}", data=exc))
+
+    def _ship_data(self, launch: _Launch, parameters: dict[str, Any]) -> dict[str, Any]:
+        """Upload local `Data` once, describe every `Data` as a `DataRef` for the pod."""
+        if not data.find_data(parameters):
+            return parameters
+        store = launch.store or open_store(launch.settings.resolved_jobs_root())
+        launch.store = store
+        refs: dict[data.Data, data.DataRef] = {}
+        volumes: list[DataVolume] = []
+        local_paths: list[Path] = []
+
+        def to_ref(item: data.Data) -> data.DataRef:
+            if item in refs:
+                return refs[item]
+            if item.is_gcs:
+                size, is_dir = data.gcs_size(item.path_or_uri)
+                uri, digest = item.path_or_uri, None
+            else:
+                path = Path(item.path_or_uri)
+                local_paths.append(path)
+                digest, files = data.hash_local(path)
+                launch.data_bytes_uploaded += data.upload_local(store, path, digest, files)
+                is_dir, size = path.is_dir(), sum(f.size for f in files)
+                key = f"{data.CACHE_PREFIX}/{digest}" + ("" if is_dir else f"/{path.name}")
+                uri = store.uri(key)
+            mount = None
+            if item.fuse and uri.startswith("gs://"):
+                mount = f"data-{len(volumes)}"
+                volumes.append(DataVolume.for_uri(mount, uri, is_dir))
+            refs[item] = data.DataRef(item.path_or_uri, uri, is_dir, digest, size, item.fuse, mount)
+            return refs[item]
+
+        shipped: dict[str, Any] = data.visit_data(parameters, to_ref)
+        launch.data_volumes = tuple(volumes)
+        launch.local_data_paths = tuple(local_paths)
+        prefect_bridge.record_data_used(
+            launch.task_run,
+            [
+                {"data": r.source, "uri": r.uri, "sha256": r.sha256 or "", "bytes": r.size or 0}
+                for r in refs.values()
+            ],
+        )
+        return shipped
 
     def _location_rows(self, launch: _Launch) -> dict[str, str]:
         return {
@@ -457,16 +514,24 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
                 self._backends[key] = backend
             return backend
 
-    def _context_zip(self, root: Path) -> Artifact:
+    def _context_zip(self, root: Path, exclude: tuple[Path, ...] = ()) -> Artifact:
+        # Local Data travels through the data cache, never inside the code archive.
+        excludes = tuple(
+            sorted(
+                p.resolve().relative_to(root).as_posix()
+                for p in exclude
+                if p.resolve().is_relative_to(root)
+            )
+        )
         with self._lock:
-            cached = self._context_zips.get(root)
+            cached = self._context_zips.get((root, excludes))
         if cached is None:
-            cached = build_context_zip(root)
+            cached = build_context_zip(root, excludes)
             warning = size_warning(f"The code archive of {root}", cached)
             if warning:
                 logger.warning(warning)
             with self._lock:
-                self._context_zips[root] = cached
+                self._context_zips[(root, excludes)] = cached
         return cached
 
     def _launch(self, launch: _Launch) -> None:
@@ -494,7 +559,7 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
         warning = size_warning(f"The payload of task {launch.task.name!r}", payload)
         if warning:
             logger.warning(warning)
-        code = self._context_zip(root)
+        code = self._context_zip(root, launch.local_data_paths)
         prefix = f"kinetic/{launch.job_id}"
         payload_uri = store.put_bytes(f"{prefix}/payload.pkl", payload.data)
         context_uri = store.put_bytes(f"{prefix}/context.zip", code.data)
@@ -527,6 +592,7 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
             timeout_seconds=settings.timeout_seconds,
             ttl_seconds_after_finished=settings.ttl_seconds_after_finished,
             service_account=settings.service_account,
+            data_volumes=launch.data_volumes,
         )
         launch.manifest = build_job_manifest(spec)
         backend = self._backend_for(settings, jobs_root)

@@ -24,7 +24,8 @@ from typing import Any
 from prefect.logging import get_logger
 
 from kinetic_prefect.backends.base import OnExit, OnPending, PodExit, Secrets
-from kinetic_prefect.manifest import container_of
+from kinetic_prefect.data import MOUNT_ROOT_ENV, materialise_fuse_volume
+from kinetic_prefect.manifest import GCSFUSE_DRIVER, container_of
 
 logger = get_logger("kinetic_prefect.backends.local")
 
@@ -212,6 +213,9 @@ class LocalBackend:
         scratch.mkdir(parents=True, exist_ok=True)
         env = container_env(pod.manifest, pod.secrets)
         env["KINETIC_SCRATCH_DIR"] = str(scratch)
+        mounts = _materialise_fuse_volumes(pod.manifest, scratch / "mnt")
+        if mounts:
+            env[MOUNT_ROOT_ENV] = str(mounts)
         with open(pod.log_path, "ab") as log:
             pod.process = subprocess.Popen(
                 container_command(pod.manifest),
@@ -303,6 +307,24 @@ class LocalBackend:
             pod.on_exit(outcome)
         except Exception:
             logger.exception("Handling the exit of pod %s failed", pod.job_id)
+
+
+def _materialise_fuse_volumes(manifest: Mapping[str, Any], root: Path) -> Path | None:
+    """Realise the manifest's GCS FUSE volumes as read-only local copies under `root`."""
+    volumes = [
+        v
+        for v in manifest["spec"]["template"]["spec"].get("volumes", [])
+        if v.get("csi", {}).get("driver") == GCSFUSE_DRIVER
+    ]
+    for volume in volumes:
+        attributes = volume["csi"]["volumeAttributes"]
+        options = dict(
+            option.partition("=")[::2] for option in attributes.get("mountOptions", "").split(",")
+        )
+        materialise_fuse_volume(
+            attributes["bucketName"], options.get("only-dir", ""), root / volume["name"]
+        )
+    return root if volumes else None
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:

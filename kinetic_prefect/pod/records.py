@@ -13,7 +13,7 @@ from typing import Any
 
 FINAL_STATE_JSON = "final-state.json"
 FINAL_STATE_PICKLE = "final-state.pkl"
-PHASES = ("download", "verify", "extract", "unpickle", "environment", "run", "report")
+PHASES = ("download", "verify", "extract", "unpickle", "data", "environment", "run", "report")
 
 STATUS_FINISHED = "finished"
 STATUS_PHASE_FAILED = "phase-failed"

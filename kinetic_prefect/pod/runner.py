@@ -1,4 +1,4 @@
-"""The pod entrypoint: download → verify → extract → unpickle → environment → run → report.
+"""The pod entrypoint: download → verify → extract → unpickle → data → environment → run → report.
 
 Every failure before the task runs leaves `final-state.json` naming the phase
 and exits non-zero, so the orchestrator can say exactly what went wrong.
@@ -163,6 +163,14 @@ def unpickle(run: PodRun) -> None:
         run.payload_bytes = b""
 
 
+def resolve_data(run: PodRun) -> None:
+    with run.phase("data", "check that the pod's service account can read the data bucket"):
+        from kinetic_prefect.data import resolve_parameters
+
+        scratch = Path(os.environ.get("KINETIC_SCRATCH_DIR") or tempfile.gettempdir())
+        run.contents["parameters"] = resolve_parameters(run.contents["parameters"], scratch)
+
+
 def _fill_secret_settings(context: dict[str, Any]) -> None:
     """Put the separately delivered secrets back into the serialized settings."""
     settings = context.get("settings_context", {}).get("settings")
@@ -296,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         verify(run)
         extract(run)
         unpickle(run)
+        resolve_data(run)
         environment(run)
         state = execute(run)
         code = report(run, state)
