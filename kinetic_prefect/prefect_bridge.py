@@ -201,37 +201,32 @@ def awaiting_retry(delay: float) -> State[Any]:
     return AwaitingRetry(scheduled_time=now("UTC") + timedelta(seconds=delay))
 
 
-def record_output_location(task_run: TaskRun, rows: Mapping[str, str]) -> None:
-    """A markdown artifact on the task run: where it runs and where its outputs go."""
+def create_artifact(task_run: TaskRun, kind: str, description: str, data: Any) -> None:
+    """Attach an artifact (markdown, table, ...) to the task run in the Prefect UI."""
     from prefect import get_client
     from prefect.client.schemas.actions import ArtifactCreate
 
-    table = "\n".join(f"| {name} | `{value}` |" for name, value in rows.items())
-    markdown = f"### Kinetic pod\n\n| | |\n|---|---|\n{table}\n"
     with get_client(sync_client=True) as client:
         client.create_artifact(
             ArtifactCreate(
-                type="markdown",
-                description="Where this task run's pod runs and writes its outputs",
-                data=markdown,
+                type=kind,
+                description=description,
+                data=data,
                 task_run_id=task_run.id,
                 flow_run_id=task_run.flow_run_id,
             )
         )
+
+
+def record_output_location(task_run: TaskRun, rows: Mapping[str, str]) -> None:
+    """A markdown artifact on the task run: where it runs and where its outputs go."""
+    table = "\n".join(f"| {name} | `{value}` |" for name, value in rows.items())
+    markdown = f"### Kinetic pod\n\n| | |\n|---|---|\n{table}\n"
+    create_artifact(
+        task_run, "markdown", "Where this task run's pod runs and writes its outputs", markdown
+    )
 
 
 def record_data_used(task_run: TaskRun, rows: list[dict[str, Any]]) -> None:
     """A table artifact on the task run: each `Data` it used, its content hash and size."""
-    from prefect import get_client
-    from prefect.client.schemas.actions import ArtifactCreate
-
-    with get_client(sync_client=True) as client:
-        client.create_artifact(
-            ArtifactCreate(
-                type="table",
-                description="Data this task run used (URI, content hash, bytes)",
-                data=rows,
-                task_run_id=task_run.id,
-                flow_run_id=task_run.flow_run_id,
-            )
-        )
+    create_artifact(task_run, "table", "Data this task run used (URI, content hash, bytes)", rows)
