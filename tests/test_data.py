@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 import os
@@ -164,3 +165,32 @@ def test_file_changed_between_hashing_and_upload_is_refused_and_not_stored(workd
         upload_local(store, dataset, digest, files)
     assert not store.exists(f"data-markers/{digest}")
     assert not store.exists(f"data-cache/{digest}/part-0/shard-0.bin")
+
+
+def test_task_run_artifacts_show_its_output_dir_and_the_data_it_used(workdir):
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterTaskRunId
+
+    dataset = _dataset(workdir / "tracked")
+
+    @flow(task_runner=KineticTaskRunner())
+    def run() -> tuple[object, str]:
+        future = digest_in_pod.submit(Data(dataset))
+        future.wait()
+        return future.task_run_id, future.output_dir
+
+    task_run_id, outputs = run()
+
+    async def read() -> list[object]:
+        async with get_client() as client:
+            return await client.read_artifacts(
+                artifact_filter=ArtifactFilter(
+                    task_run_id=ArtifactFilterTaskRunId(any_=[task_run_id])
+                )
+            )
+
+    artifacts = asyncio.run(read())
+    by_type = {a.type: str(a.data) for a in artifacts}
+
+    assert outputs in by_type["markdown"]
+    assert hash_local(dataset)[0] in by_type["table"]
