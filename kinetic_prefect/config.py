@@ -42,6 +42,11 @@ class LaunchSettings:
     ttl_seconds_after_finished: int = 3600
     cancel_grace_seconds: float = 10.0
     pending_timeout_seconds: float = 600.0
+    # Pods on the gke backend reach the Prefect API by its URL; a loopback URL only works
+    # where pods share the host's network (kind/minikube with hostNetwork, tests).
+    allow_loopback_api: bool = False
+    # The kubeconfig context for the gke backend when no kube_config block is given.
+    kube_context: str | None = None
 
     def resolved_jobs_root(self) -> str:
         """Where `kinetic/{job_id}/…` artifacts live: a `gs://bucket[/prefix]` or a local dir."""
@@ -82,6 +87,8 @@ _ENV_PARSERS: dict[str, Any] = {
     "ttl_seconds_after_finished": int,
     "cancel_grace_seconds": float,
     "pending_timeout_seconds": float,
+    "allow_loopback_api": lambda v: _parse_bool("KINETIC_ALLOW_LOOPBACK_API", v),
+    "kube_context": str,
 }
 ENV_ALIASES = {"jobs_root": ("KINETIC_JOBS_ROOT", "KINETIC_JOBS_BUCKET")}
 

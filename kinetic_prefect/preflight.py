@@ -69,3 +69,50 @@ def check_jobs_root(jobs_root: str, cluster: Any) -> None:
             f"The jobs bucket gs://{bucket} does not exist. Create it (gcloud storage buckets "
             f"create gs://{bucket}) or set jobs_bucket on the KineticCluster / KINETIC_JOBS_BUCKET."
         )
+
+
+_LOOPBACK_HOSTS = {"localhost", "ip6-localhost", "ip6-loopback", "0.0.0.0", "::", ""}
+
+
+def is_loopback_url(url: str) -> bool:
+    """Whether `url` points at this machine only (localhost, 127.0.0.0/8, ::1, 0.0.0.0)."""
+    import ipaddress
+    from urllib.parse import urlsplit
+
+    host = (urlsplit(url).hostname or "").lower()
+    if host in _LOOPBACK_HOSTS or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_api_reachable_by_pods(settings: Any) -> str:
+    """Refuse a Prefect API URL that pods in a cluster cannot reach; returns the URL.
+
+    Pods report their task runs to the API themselves, so an ephemeral API (no
+    `PREFECT_API_URL`: a server inside this process) or a loopback one would leave every
+    pod unable to start. `allow_loopback_api` (`KINETIC_ALLOW_LOOPBACK_API=true`) accepts a
+    loopback URL for clusters whose pods share this machine's network.
+    """
+    from prefect.settings import get_current_settings
+
+    how = (
+        "Set PREFECT_API_URL to an address the cluster's pods can reach: Prefect Cloud "
+        "(prefect cloud login), or a Prefect server exposed to the cluster, e.g. "
+        "http://prefect-server.prefect.svc.cluster.local:4200/api."
+    )
+    url = get_current_settings().api.url
+    if not url:
+        raise ConfigurationError(
+            "The gke backend needs a Prefect API that outlives this process, but "
+            f"PREFECT_API_URL is not set (Prefect would start an ephemeral server here). {how}"
+        )
+    if is_loopback_url(url) and not getattr(settings, "allow_loopback_api", False):
+        raise ConfigurationError(
+            f"PREFECT_API_URL={url} is a loopback address, which pods in the cluster cannot "
+            f"reach. {how} If the pods share this machine's network (kind or minikube with "
+            "hostNetwork), set KINETIC_ALLOW_LOOPBACK_API=true."
+        )
+    return str(url)

@@ -24,8 +24,22 @@ def create_backend(settings: LaunchSettings, jobs_root: str, cluster: Any = None
             max_parallel=settings.max_parallel,
             cancel_grace_seconds=settings.cancel_grace_seconds,
         )
+    if settings.backend == "gke":
+        from kinetic_prefect import preflight
+        from kinetic_prefect.backends.kubernetes import KubernetesBackend
+
+        # Before any Job exists: a pod that cannot reach the Prefect API cannot run its task.
+        preflight.check_api_reachable_by_pods(settings)
+        return KubernetesBackend(
+            jobs_root,
+            cluster=cluster,
+            max_parallel=settings.max_parallel,
+            pending_timeout_seconds=settings.pending_timeout_seconds,
+            cancel_grace_seconds=settings.cancel_grace_seconds,
+            kube_context=settings.kube_context,
+        )
     from kinetic_prefect.errors import ConfigurationError
 
     raise ConfigurationError(
-        f"The {settings.backend!r} backend is not available in this version; use backend='local'."
+        f"Unknown backend {settings.backend!r}; use backend='local' or backend='gke'."
     )
