@@ -88,30 +88,32 @@ class LaunchSpec:
 
     job_id: str
     task_name: str
-    task_run_id: str
+    task_run_id: str | None
     flow_run_id: str | None
     accelerator: Accelerator
     image: str
     namespace: str
-    payload_uri: str
-    payload_sha256: str
-    context_uri: str
-    context_sha256: str
-    job_dir_uri: str
     output_dir: str
+    payload_uri: str = ""
+    payload_sha256: str = ""
+    context_uri: str = ""
+    context_sha256: str = ""
+    job_dir_uri: str = ""
     env: Mapping[str, str] = field(default_factory=dict)
     secret_env: tuple[SecretRef, ...] = ()
     timeout_seconds: int | None = None
     ttl_seconds_after_finished: int = 3600
     service_account: str | None = None
     data_volumes: tuple[DataVolume, ...] = ()
+    # A flow-run pod runs Prefect's own command (`prefect flow-run execute`)
+    # instead of the task pod entrypoint and its artifact arguments.
+    command: tuple[str, ...] = ()
+    extra_labels: Mapping[str, str] = field(default_factory=dict)
 
     def labels(self) -> dict[str, str]:
-        labels = {
-            LABEL_MANAGED_BY: MANAGED_BY,
-            LABEL_JOB_ID: self.job_id,
-            LABEL_TASK_RUN_ID: self.task_run_id,
-        }
+        labels = {**self.extra_labels, LABEL_MANAGED_BY: MANAGED_BY, LABEL_JOB_ID: self.job_id}
+        if self.task_run_id:
+            labels[LABEL_TASK_RUN_ID] = self.task_run_id
         if self.flow_run_id:
             labels[LABEL_FLOW_RUN_ID] = self.flow_run_id
         return labels
@@ -172,8 +174,8 @@ def build_job_manifest(spec: LaunchSpec) -> dict[str, Any]:
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": spec.image,
-        "command": ["python", "-m", POD_MODULE],
-        "args": pod_args(spec),
+        "command": list(spec.command) if spec.command else ["python", "-m", POD_MODULE],
+        "args": [] if spec.command else pod_args(spec),
         "env": _env_list(spec),
     }
     limits = accelerator.resource_limits
