@@ -31,7 +31,7 @@ from prefect.runtime import flow_run
 from prefect.settings import get_current_settings
 from prefect.utilities.annotations import unmapped
 
-from kinetic_prefect import KineticTaskRunner
+from kinetic_prefect import KineticTaskRunner, summarize_sweep
 
 DEFAULT_CONFIGS: list[dict[str, Any]] = [
     {"lr": 0.03, "hidden": 8},
@@ -42,6 +42,7 @@ DEFAULT_CONFIGS: list[dict[str, Any]] = [
 DATASET_SIZE = 1000
 HELD_OUT_FRACTION = 0.2
 BATCH_SIZE = 64
+CURVE_POINTS = 60
 
 
 def make_moons(seed: int, n: int = DATASET_SIZE, noise: float = 0.15) -> tuple[Any, Any]:
@@ -90,18 +91,19 @@ def train(config: dict[str, Any], steps: int = 300, seed: int = 0) -> dict[str, 
         # Binary cross-entropy on logits, written to stay finite for large |z|.
         return jnp.mean(jnp.logaddexp(0.0, z) - y * z)
 
-    def sgd_step(p: dict[str, Any], key: Any) -> tuple[dict[str, Any], None]:
+    def sgd_step(p: dict[str, Any], key: Any) -> tuple[dict[str, Any], Any]:
         batch = jax.random.choice(key, len(y_train), (BATCH_SIZE,), replace=False)
-        grads = jax.grad(loss)(p, x_train[batch], y_train[batch])
-        return jax.tree_util.tree_map(lambda w, g: w - lr * g, p, grads), None
+        batch_loss, grads = jax.value_and_grad(loss)(p, x_train[batch], y_train[batch])
+        return jax.tree_util.tree_map(lambda w, g: w - lr * g, p, grads), batch_loss
 
     # One compiled loop over all steps: compiling costs more than the training itself.
     @jax.jit
-    def fit(p: dict[str, Any], keys: Any) -> dict[str, Any]:
-        return jax.lax.scan(sgd_step, p, keys)[0]
+    def fit(p: dict[str, Any], keys: Any) -> tuple[dict[str, Any], Any]:
+        return jax.lax.scan(sgd_step, p, keys)
 
     initial_loss = float(loss(params, x_train, y_train))
-    params = fit(params, jax.random.split(batch_key, steps))
+    params, batch_losses = fit(params, jax.random.split(batch_key, steps))
+    stride = max(1, steps // CURVE_POINTS)
     final_loss = float(loss(params, x_train, y_train))
     accuracy = float(jnp.mean((logits(params, x_test) > 0) == (y_test == 1)))
     return {
@@ -111,6 +113,7 @@ def train(config: dict[str, Any], steps: int = 300, seed: int = 0) -> dict[str, 
         "final_loss": final_loss,
         "accuracy": accuracy,
         "seconds": time.perf_counter() - started,
+        "loss_curve": [float(v) for v in batch_losses[::stride]],
     }
 
 
@@ -134,6 +137,21 @@ def format_table(results: Sequence[dict[str, Any]]) -> list[str]:
     return ["  ".join(map(str.rjust, line, widths)) for line in lines]
 
 
+def publish_summary(results: Sequence[dict[str, Any]], key: str) -> str | None:
+    """Metrics table and loss curves of a sweep, as Prefect artifacts (plot in the output dir)."""
+    return summarize_sweep(
+        [
+            {**r["config"], "final_loss": round(r["final_loss"], 4), "accuracy": r["accuracy"]}
+            for r in results
+        ],
+        curves={
+            f"lr={r['config']['lr']:g} hidden={r['config']['hidden']}": r["loss_curve"]
+            for r in results
+        },
+        key=key,
+    )
+
+
 def where_to_find(flow_run_id: str) -> list[str]:
     """Lines telling where the flow run and its task runs can be seen in the Prefect UI."""
     ui_url = get_current_settings().ui_url
@@ -153,6 +171,7 @@ def quickstart_sweep(
     """Train one model per configuration, each in its own pod, and print the results table."""
     futures = train.map(configs or DEFAULT_CONFIGS, steps=unmapped(steps), seed=unmapped(seed))
     results = [future.result() for future in futures]
+    publish_summary(results, key="quickstart-sweep-metrics")
     # One print per line: each becomes a log record, so the columns stay aligned.
     for line in [*format_table(results), *where_to_find(str(flow_run.id))]:
         print(line)

@@ -27,7 +27,9 @@ __all__ = [
     "KineticTaskRunner",
     "checkpoint_manager",
     "output_dir",
+    "report_progress",
     "resources",
+    "summarize_sweep",
 ]
 
 _LAZY = {
@@ -35,6 +37,8 @@ _LAZY = {
     "KineticFuture": "kinetic_prefect.task_runner",
     "resources": "kinetic_prefect.config",
     "Data": "kinetic_prefect.data",
+    "report_progress": "kinetic_prefect.reporting",
+    "summarize_sweep": "kinetic_prefect.reporting",
     "output_dir": "kinetic_prefect.checkpoint",
     "checkpoint_manager": "kinetic_prefect.checkpoint",
     "KineticCluster": "kinetic_prefect.blocks",

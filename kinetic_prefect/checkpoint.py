@@ -44,15 +44,16 @@ def checkpoint_dir() -> str:
     return str(Path(root).absolute() / "checkpoints")
 
 
-def checkpoint_manager(**options: Any) -> Any:
+def checkpoint_manager(total_steps: int | None = None, **options: Any) -> Any:
     """An Orbax `CheckpointManager` at `{output_dir()}/checkpoints` (local or `gs://`).
 
     Keyword arguments are `orbax.checkpoint.CheckpointManagerOptions` fields
-    (`max_to_keep`, `save_interval_steps`, ...).
+    (`max_to_keep`, `save_interval_steps`, ...). With `total_steps`, each save of
+    step `s` also advances the task run's progress artifact to `(s + 1) / total_steps`.
 
     Example:
         ```python
-        mngr = checkpoint_manager(max_to_keep=2)
+        mngr = checkpoint_manager(total_steps=steps, max_to_keep=2)
         start = (mngr.latest_step() or -1) + 1
         state = mngr.restore(mngr.latest_step()) if start else init_state()
         for step in range(start, steps):
@@ -63,4 +64,25 @@ def checkpoint_manager(**options: Any) -> Any:
     """
     import orbax.checkpoint as ocp
 
-    return ocp.CheckpointManager(checkpoint_dir(), options=ocp.CheckpointManagerOptions(**options))
+    manager = ocp.CheckpointManager(
+        checkpoint_dir(), options=ocp.CheckpointManagerOptions(**options)
+    )
+    if total_steps is not None:
+        _report_progress_on_save(manager, total_steps)
+    return manager
+
+
+def _report_progress_on_save(manager: Any, total_steps: int) -> None:
+    # Orbax's constructor may hand back its own implementation class, so the
+    # instance's save is wrapped rather than subclassed.
+    from kinetic_prefect.reporting import report_progress
+
+    save = manager.save
+
+    def save_and_report(step: int, *args: Any, **kwargs: Any) -> bool:
+        saved = bool(save(step, *args, **kwargs))
+        if saved:
+            report_progress(step + 1, total_steps)
+        return saved
+
+    manager.save = save_and_report
