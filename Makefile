@@ -7,7 +7,7 @@ VENV := .venv
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export UV_PYTHON_DOWNLOADS := never
 
-.PHONY: demo test lint bench clean
+.PHONY: demo demo-stop test lint bench clean
 
 $(UV):
 	$(PYTHON) -m venv $(TOOLS)
@@ -18,7 +18,11 @@ $(VENV)/.synced: $(UV) pyproject.toml uv.lock
 	touch $@
 
 demo: $(VENV)/.synced
-	$(VENV)/bin/python flows/quickstart.py
+	$(VENV)/bin/python deployments/local_server.py -- $(VENV)/bin/python blocks/save_local.py
+	$(VENV)/bin/python deployments/local_server.py -- $(VENV)/bin/python flows/quickstart.py
+
+demo-stop: $(VENV)/.synced
+	$(VENV)/bin/python deployments/local_server.py --stop
 
 test: $(VENV)/.synced
 	$(VENV)/bin/python -m pytest
