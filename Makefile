@@ -7,7 +7,7 @@ VENV := .venv
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export UV_PYTHON_DOWNLOADS := never
 
-.PHONY: demo demo-stop test lint bench clean
+.PHONY: demo demo-stop e2e test lint bench clean
 
 $(UV):
 	$(PYTHON) -m venv $(TOOLS)
@@ -20,6 +20,13 @@ $(VENV)/.synced: $(UV) pyproject.toml uv.lock
 demo: $(VENV)/.synced
 	$(VENV)/bin/python deployments/local_server.py -- $(VENV)/bin/python blocks/save_local.py
 	$(VENV)/bin/python deployments/local_server.py -- $(VENV)/bin/python flows/quickstart.py
+
+# Not part of `make test`: needs Debian's chromium (apt-get install chromium).
+e2e: $(VENV)/.synced
+	@test -x /usr/bin/chromium || (echo "make e2e needs Debian's chromium: apt-get install chromium" && exit 1)
+	$(UV) sync --frozen --compile-bytecode --group e2e --python $(PYTHON)
+	$(MAKE) demo
+	$(VENV)/bin/python deployments/local_server.py -- $(VENV)/bin/python tests/e2e/ui_screenshots.py
 
 demo-stop: $(VENV)/.synced
 	$(VENV)/bin/python deployments/local_server.py --stop

@@ -141,7 +141,11 @@ def publish_summary(results: Sequence[dict[str, Any]], key: str) -> str | None:
     """Metrics table and loss curves of a sweep, as Prefect artifacts (plot in the output dir)."""
     return summarize_sweep(
         [
-            {**r["config"], "final_loss": round(r["final_loss"], 4), "accuracy": r["accuracy"]}
+            {
+                **r["config"],
+                "final_loss": round(r["final_loss"], 4),
+                "accuracy": round(r["accuracy"], 4),
+            }
             for r in results
         ],
         curves={
