@@ -7,7 +7,7 @@ VENV := .venv
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export UV_PYTHON_DOWNLOADS := never
 
-.PHONY: demo demo-stop e2e test lint bench clean
+.PHONY: demo demo-stop deploy-local worker-local e2e test lint bench clean
 
 $(UV):
 	$(PYTHON) -m venv $(TOOLS)
@@ -20,6 +20,21 @@ $(VENV)/.synced: $(UV) pyproject.toml uv.lock
 demo: $(VENV)/.synced
 	$(VENV)/bin/python deployments/local_server.py -- $(VENV)/bin/python blocks/save_local.py
 	$(VENV)/bin/python deployments/local_server.py -- $(VENV)/bin/python flows/quickstart.py
+
+# The quickstart sweep as deployments (deployments/prefect.yaml) on a `kinetic` work pool of
+# the local Prefect server, started if none answers. Then `make worker-local` and
+# `prefect deployment run quickstart-sweep/sweep`.
+deploy-local: $(VENV)/.synced
+	$(VENV)/bin/python deployments/local_server.py -- sh -c '\
+		$(VENV)/bin/prefect block register -m kinetic_prefect && \
+		{ $(VENV)/bin/prefect work-pool inspect kinetic >/dev/null 2>&1 || \
+		  $(VENV)/bin/prefect work-pool create --type kinetic kinetic; } && \
+		$(VENV)/bin/prefect --no-prompt deploy --prefect-file deployments/prefect.yaml --all'
+
+# A worker for the `kinetic` pool, in the foreground (Ctrl-C stops it; running pods go on).
+worker-local: $(VENV)/.synced
+	$(VENV)/bin/python deployments/local_server.py -- env PREFECT_WORKER_ENABLE_CANCELLATION=true \
+		$(VENV)/bin/prefect worker start --pool kinetic
 
 # Not part of `make test`: needs Debian's chromium (apt-get install chromium).
 e2e: $(VENV)/.synced

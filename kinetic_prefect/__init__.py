@@ -46,6 +46,11 @@ _LAZY = {
 }
 
 
+def __dir__() -> list[str]:
+    # `prefect block register -m kinetic_prefect` finds blocks with dir(): list the lazy names.
+    return sorted({*globals(), *_LAZY})
+
+
 def __getattr__(name: str) -> Any:
     # Imports are lazy so that `python -m kinetic_prefect.pod` and the CLI start fast.
     if name in _LAZY:

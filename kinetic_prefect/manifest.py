@@ -25,6 +25,8 @@ ANNOTATION_OUTPUT_DIR = "kinetic-prefect.io/output-dir"
 CONTAINER_NAME = "task"
 POD_MODULE = "kinetic_prefect.pod"
 DEFAULT_SECRET_NAME = "kinetic-prefect-api"
+# Secret Prefect settings → their key in the Kubernetes Secret the pods reference.
+SECRET_KEYS = {"PREFECT_API_KEY": "api-key", "PREFECT_API_AUTH_STRING": "auth-string"}
 
 _DNS_UNSAFE = re.compile(r"[^a-z0-9-]+")
 _MAX_JOB_NAME = 52  # leaves room for the pod-name suffix Kubernetes appends

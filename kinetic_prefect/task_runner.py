@@ -41,6 +41,7 @@ from kinetic_prefect.errors import (
 )
 from kinetic_prefect.manifest import (
     DEFAULT_SECRET_NAME,
+    SECRET_KEYS,
     DataVolume,
     LaunchSpec,
     SecretRef,
@@ -69,7 +70,6 @@ if TYPE_CHECKING:
 logger = get_logger("kinetic_prefect.task_runner")
 
 _PATH_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
-_SECRET_KEYS = {"PREFECT_API_KEY": "api-key", "PREFECT_API_AUTH_STRING": "auth-string"}
 
 
 class KineticFuture(PrefectConcurrentFuture[Any]):
@@ -587,7 +587,7 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
             output_dir=launch.output_dir,
             env=env,
             secret_env=tuple(
-                SecretRef(name, DEFAULT_SECRET_NAME, _SECRET_KEYS[name]) for name in secrets
+                SecretRef(name, DEFAULT_SECRET_NAME, SECRET_KEYS[name]) for name in secrets
             ),
             timeout_seconds=settings.timeout_seconds,
             ttl_seconds_after_finished=settings.ttl_seconds_after_finished,
@@ -601,7 +601,7 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
         backend.launch(
             launch.manifest,
             on_exit=lambda outcome: launch.in_context(self._on_pod_exit, launch, outcome),
-            secrets={DEFAULT_SECRET_NAME: {_SECRET_KEYS[k]: v for k, v in secrets.items()}},
+            secrets={DEFAULT_SECRET_NAME: {SECRET_KEYS[k]: v for k, v in secrets.items()}},
             on_pending=lambda reason: launch.in_context(self._on_pod_pending, launch, reason),
         )
 

@@ -1,0 +1,498 @@
+"""`KineticWorker` (work pool type `kinetic`): each deployed flow run in a Kinetic pod of its own.
+
+For a flow run the worker resolves the pool's job variables into launch
+settings exactly as the task runner does (job variables > `KineticCluster`
+block > `KINETIC_*` variables > defaults), builds the Job manifest with the
+same builder as task pods, with Prefect's `prefect flow-run execute` as the
+container command, launches it through a backend and follows it to the end.
+
+Inside the flow pod the flow's own `KineticTaskRunner` launches a pod per task:
+the worker hands its cluster settings (backend, jobs root, output root, ...)
+down as `KINETIC_*` variables, so those pods land where the flow pod did
+unless the flow's runner names another cluster.
+
+Stopping the worker leaves running flow pods alone, as Kubernetes-style
+workers do: each flow run still reports its own final state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shlex
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.abc
+from prefect._internal.observers import FlowRunCancellingObserver
+from prefect.events.filters import EventAnyResourceFilter, EventFilter, EventNameFilter
+from prefect.exceptions import InfrastructureNotFound
+from prefect.settings import get_current_settings
+from prefect.workers.base import (
+    BaseJobConfiguration,
+    BaseVariables,
+    BaseWorker,
+    BaseWorkerResult,
+)
+from pydantic import Field, PrivateAttr
+
+from kinetic_prefect import prefect_bridge
+from kinetic_prefect.accelerators import parse_accelerator
+from kinetic_prefect.backends import create_backend
+from kinetic_prefect.backends.base import Backend, PodExit
+from kinetic_prefect.config import LaunchSettings, env_variable_names, join_uri, resolve_settings
+from kinetic_prefect.manifest import (
+    DEFAULT_SECRET_NAME,
+    SECRET_KEYS,
+    LaunchSpec,
+    SecretRef,
+    build_job_manifest,
+    new_job_id,
+)
+
+if TYPE_CHECKING:
+    from uuid import UUID
+
+    from prefect.client.schemas.objects import Flow as APIFlow
+    from prefect.client.schemas.objects import FlowRun, WorkPool
+    from prefect.client.schemas.responses import DeploymentResponse
+    from prefect.logging.loggers import PrefectLogAdapter
+
+FLOW_OUTPUT_KEY = "flow"
+# `python -m` so that the local backend runs this interpreter's Prefect even when
+# the `prefect` script is not on PATH; in an image it is the same command.
+FLOW_RUN_COMMAND = "python -m prefect flow-run execute"
+# `prefect flow-run execute` runs the flow in a process group of its own. With an
+# intent set, a SIGTERM to the pod (cancel, deadline) is passed on to that group and
+# the engine unwinds, stopping the flow's task pods, instead of being orphaned.
+SIGTERM_BEHAVIOR_ENV = "PREFECT_FLOW_RUN_EXECUTE_SIGTERM_BEHAVIOR"
+SIGTERM_BEHAVIOR = "relinquish"
+# Settings that say where pods run, inherited by the flow's own task pods.
+INHERITED_SETTINGS = (
+    "backend",
+    "jobs_root",
+    "output_root",
+    "namespace",
+    "container_image",
+    "service_account",
+    "max_parallel",
+    "ttl_seconds_after_finished",
+    "cancel_grace_seconds",
+    "pending_timeout_seconds",
+    "allow_loopback_api",
+)
+# Time for a backend to report a cancelled pod's exit beyond Prefect's grace period.
+_EXIT_REPORT_MARGIN_SECONDS = 15.0
+
+_ACCELERATOR_HELP = (
+    "Accelerator for the flow-run pod, e.g. cpu, l4x2, tpu-v5e-4 (`kinetic-prefect "
+    "accelerators` lists them; add :spot for spot capacity). Default: the cluster's, else cpu."
+)
+_SPOT_HELP = "Run the flow-run pod on spot capacity."
+_IMAGE_HELP = (
+    "Container image for the flow-run pod (and, by default, its task pods). "
+    "Default: the cluster's container_image, else python:3.11-slim."
+)
+_CLUSTER_HELP = (
+    "Name of a saved KineticCluster block: where pods run (gke or local), jobs bucket, "
+    "output root, result storage. Default: KINETIC_* variables of the worker, else local."
+)
+_TIMEOUT_HELP = "Deadline of the flow-run pod in seconds (activeDeadlineSeconds)."
+_NAMESPACE_HELP = "Kubernetes namespace of the flow-run Job. Default: the cluster's, else default."
+
+
+class KineticJobConfiguration(BaseJobConfiguration):
+    """A flow run's pod, as the work pool's base job template and job variables describe it."""
+
+    accelerator: str | None = Field(default=None, description=_ACCELERATOR_HELP)
+    spot: bool | None = Field(default=None, description=_SPOT_HELP)
+    image: str | None = Field(default=None, description=_IMAGE_HELP)
+    cluster: str | None = Field(default=None, description=_CLUSTER_HELP)
+    timeout_seconds: int | None = Field(default=None, gt=0, description=_TIMEOUT_HELP)
+    namespace: str | None = Field(default=None, description=_NAMESPACE_HELP)
+
+    _user_labels: dict[str, str] = PrivateAttr(default_factory=dict)
+    _flow_name: str | None = PrivateAttr(default=None)
+
+    def prepare_for_flow_run(
+        self,
+        flow_run: FlowRun,
+        deployment: DeploymentResponse | None = None,
+        flow: APIFlow | None = None,
+        work_pool: WorkPool | None = None,
+        worker_name: str | None = None,
+        worker_id: UUID | None = None,
+    ) -> None:
+        # Prefect adds `prefect.io/*` labels (flow-run id among them) here; the pod keeps
+        # the kinetic labels and the user's own only, so Prefect's Kubernetes observer
+        # never mistakes it for one of its pods.
+        self._user_labels = dict(self.labels)
+        self._flow_name = flow.name if flow is not None else None
+        super().prepare_for_flow_run(
+            flow_run, deployment, flow, work_pool, worker_name, worker_id=worker_id
+        )
+
+    @classmethod
+    def _base_environment(cls) -> dict[str, str]:
+        # This process's Prefect settings without secrets (they travel as Secret
+        # refs) and without what only makes sense here (database URL, PREFECT_HOME).
+        return prefect_bridge.pod_settings_env()
+
+    @staticmethod
+    def _base_flow_run_command() -> str:
+        return FLOW_RUN_COMMAND
+
+    @property
+    def user_labels(self) -> dict[str, str]:
+        """Labels from the `labels` job variable, without the ones Prefect adds."""
+        return dict(self._user_labels)
+
+    @property
+    def flow_name(self) -> str | None:
+        return self._flow_name
+
+
+class KineticVariables(BaseVariables):
+    """Job variables of a `kinetic` work pool; a deployment's `job_variables` override them."""
+
+    accelerator: str | None = Field(default=None, description=_ACCELERATOR_HELP)
+    spot: bool | None = Field(default=None, description=_SPOT_HELP)
+    image: str | None = Field(default=None, description=_IMAGE_HELP)
+    cluster: str | None = Field(default=None, description=_CLUSTER_HELP)
+    timeout_seconds: int | None = Field(default=None, gt=0, description=_TIMEOUT_HELP)
+    namespace: str | None = Field(default=None, description=_NAMESPACE_HELP)
+
+
+class KineticWorkerResult(BaseWorkerResult):
+    """How a flow-run pod ended: `identifier` is its job id."""
+
+
+@dataclass
+class _FlowPod:
+    """A launched flow-run pod the worker follows until it ends."""
+
+    job_id: str
+    backend: Backend
+    loop: asyncio.AbstractEventLoop
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+    deadline_seconds: int | None = None
+    outcome: PodExit | None = None
+    cancelled_by_worker: bool = False
+
+    def on_exit(self, outcome: PodExit) -> None:
+        # Called on the backend's watcher thread.
+        self.outcome = outcome
+        with contextlib.suppress(RuntimeError):  # the worker's loop is already closed
+            self.loop.call_soon_threadsafe(self.ended.set)
+
+
+def inherited_settings_env(settings: LaunchSettings) -> dict[str, str]:
+    """`KINETIC_*` variables that send the flow's task pods where its flow pod went."""
+    values: dict[str, Any] = {name: getattr(settings, name) for name in INHERITED_SETTINGS}
+    values["jobs_root"] = settings.resolved_jobs_root()
+    values["output_root"] = settings.resolved_output_root()
+    env: dict[str, str] = {}
+    for name, value in values.items():
+        if value is None:
+            continue
+        text = ("true" if value else "false") if isinstance(value, bool) else str(value)
+        env[env_variable_names(name)[0]] = text
+    return env
+
+
+def crash_message(job_id: str, outcome: PodExit, deadline_seconds: int | None) -> str | None:
+    """Why the flow run crashed, when the pod's end says more than its exit code."""
+    if outcome.start_failure:
+        return f"Flow-run pod {job_id} could not start: {outcome.start_failure}"
+    if outcome.reason == "DeadlineExceeded":
+        return (
+            f"Flow-run pod {job_id} was stopped at its deadline of {deadline_seconds}s "
+            "(timeout_seconds)."
+        )
+    return None
+
+
+def exit_status(outcome: PodExit) -> int:
+    """The status code Prefect judges the flow-run pod by (non-zero: the run crashed)."""
+    if outcome.exit_code is not None:
+        return outcome.exit_code
+    if outcome.signal is not None:
+        return -outcome.signal
+    # Never started (start failure) or cancelled before it started.
+    return 0 if outcome.cancelled and not outcome.start_failure else 1
+
+
+@dataclass(frozen=True)
+class FlowPodPlan:
+    """Everything that decides one flow run's pod, before any backend sees it."""
+
+    settings: LaunchSettings
+    spec: LaunchSpec
+    manifest: dict[str, Any]
+    # Env var name -> value; the manifest only refers to them through `SecretRef`s.
+    secrets: dict[str, str]
+
+    def backend_secrets(self) -> dict[str, dict[str, str]]:
+        """The secrets as the backend stores them: one Secret, a key per value."""
+        return {DEFAULT_SECRET_NAME: {SECRET_KEYS[k]: v for k, v in self.secrets.items()}}
+
+
+def flow_pod_settings(
+    configuration: KineticJobConfiguration, cluster: Any = None
+) -> LaunchSettings:
+    """Job variables > cluster block > `KINETIC_*` variables > defaults, as for task pods."""
+    block: dict[str, Any] | None = None
+    if cluster is not None:
+        from kinetic_prefect.blocks import cluster_settings
+
+        block = cluster_settings(cluster)
+    return resolve_settings(
+        runner={
+            "accelerator": configuration.accelerator,
+            "spot": configuration.spot,
+            "container_image": configuration.image,
+            "timeout_seconds": configuration.timeout_seconds,
+            "namespace": configuration.namespace,
+        },
+        block=block,
+    )
+
+
+def plan_flow_pod(
+    flow_run: FlowRun, configuration: KineticJobConfiguration, cluster: Any = None
+) -> FlowPodPlan:
+    """The Job manifest (and its secrets) for a flow run's pod.
+
+    `configuration` must have been prepared for `flow_run` (Prefect's worker does
+    that); `cluster` is the loaded `KineticCluster` its `cluster` variable names.
+
+    Example:
+        ```python
+        plan = plan_flow_pod(flow_run, configuration)
+        assert plan.manifest["spec"]["backoffLimit"] == 0
+        ```
+    """
+    settings = flow_pod_settings(configuration, cluster)
+    accelerator = parse_accelerator(settings.accelerator, spot=settings.spot)
+    flow_run_id = str(flow_run.id)
+    env = {
+        **inherited_settings_env(settings),
+        SIGTERM_BEHAVIOR_ENV: SIGTERM_BEHAVIOR,
+        "PYTHONUNBUFFERED": "1",
+        **{name: value for name, value in configuration.env.items() if value is not None},
+    }
+    # A secret given as a job variable travels like the worker's own: as a Secret ref.
+    secrets = prefect_bridge.secret_values()
+    secrets.update({name: env.pop(name) for name in SECRET_KEYS if name in env})
+    output_root = settings.output_dir or settings.resolved_output_root()
+    spec = LaunchSpec(
+        job_id=new_job_id(configuration.name or flow_run.name or "flow"),
+        task_name=configuration.flow_name or flow_run.name,
+        task_run_id=None,
+        flow_run_id=flow_run_id,
+        accelerator=accelerator,
+        image=settings.resolved_image(),
+        namespace=settings.namespace,
+        output_dir=join_uri(output_root, flow_run_id, FLOW_OUTPUT_KEY),
+        env=env,
+        secret_env=tuple(
+            SecretRef(name, DEFAULT_SECRET_NAME, SECRET_KEYS[name]) for name in secrets
+        ),
+        timeout_seconds=settings.timeout_seconds,
+        ttl_seconds_after_finished=settings.ttl_seconds_after_finished,
+        service_account=settings.service_account,
+        command=tuple(shlex.split(configuration.command or FLOW_RUN_COMMAND)),
+        extra_labels=configuration.user_labels,
+    )
+    return FlowPodPlan(settings, spec, build_job_manifest(spec), secrets)
+
+
+class KineticWorker(BaseWorker[KineticJobConfiguration, KineticVariables, KineticWorkerResult]):
+    """Runs each flow run of a `kinetic` work pool in its own Kinetic pod.
+
+    Example:
+        ```bash
+        prefect work-pool create -t kinetic gpu-pool
+        prefect worker start --pool gpu-pool          # the pool's type picks this worker
+        prefect deploy --prefect-file deployments/prefect.yaml --all
+        ```
+    """
+
+    type = "kinetic"
+    job_configuration = KineticJobConfiguration
+    job_configuration_variables = KineticVariables
+    _description = (
+        "Run each flow run in a Kinetic pod on a TPU/GPU/CPU node of GKE (or as a local "
+        "process); the flow's KineticTaskRunner tasks get pods of their own."
+    )
+    _display_name = "Kinetic"
+    _documentation_url = "https://pypi.org/project/kinetic-prefect/"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._lock = threading.Lock()
+        self._backends: dict[tuple[str, str, str], Backend] = {}
+        self._pods: dict[str, _FlowPod] = {}
+        self._checked_roots: set[str] = set()
+        self._pod_observer: FlowRunCancellingObserver | None = None
+
+    async def setup(self) -> None:
+        await super().setup()
+        settings = get_current_settings().worker
+        if not settings.enable_cancellation:
+            return
+        # Prefect's own observer forgets a run once its infrastructure id is reported;
+        # a pod can then still wait minutes for a node before the flow starts, and only
+        # this worker can stop it. Once the flow has started, its pod handles cancelling.
+        pool_filter = (
+            EventAnyResourceFilter(id=[f"prefect.work-pool.{self._work_pool.id}"])
+            if self._work_pool is not None
+            else None
+        )
+        self._pod_observer = await self._exit_stack.enter_async_context(
+            FlowRunCancellingObserver(
+                on_cancelling=self._on_cancelling,
+                polling_interval=settings.cancellation_poll_seconds,
+                event_filter=EventFilter(
+                    event=EventNameFilter(name=["prefect.flow-run.Cancelling"]),
+                    any_resource=pool_filter,
+                ),
+            )
+        )
+
+    def _on_cancelling(self, flow_run_id: UUID) -> None:
+        if self._runs_task_group is not None:
+            self._runs_task_group.start_soon(self._cancel_run, flow_run_id)
+
+    async def run(
+        self,
+        flow_run: FlowRun,
+        configuration: KineticJobConfiguration,
+        task_status: anyio.abc.TaskStatus[Any] | None = None,
+    ) -> KineticWorkerResult:
+        """Launch the flow run's pod, report its job id, and follow it until it ends."""
+        logger = self.get_flow_run_logger(flow_run)
+        pod = await anyio.to_thread.run_sync(
+            self._launch, flow_run, configuration, logger, asyncio.get_running_loop()
+        )
+        if task_status is not None:
+            task_status.started(pod.job_id)
+        if self._pod_observer is not None:
+            self._pod_observer.add_in_flight_flow_run_id(flow_run.id)
+        try:
+            await pod.ended.wait()
+        finally:
+            if self._pod_observer is not None:
+                self._pod_observer.remove_in_flight_flow_run_id(flow_run.id)
+            with self._lock:
+                self._pods.pop(pod.job_id, None)
+        outcome = pod.outcome
+        assert outcome is not None
+        # A pod the worker stopped is not a crash: its flow run is being cancelled.
+        status = 0 if pod.cancelled_by_worker else exit_status(outcome)
+        crash = crash_message(pod.job_id, outcome, pod.deadline_seconds)
+        if crash is not None and not pod.cancelled_by_worker:
+            # Said before Prefect's generic "exited with non-zero status" can be.
+            logger.error(crash)
+            await self._propose_crashed_state(flow_run, crash)
+        elif status != 0:
+            tail = f" Last log lines:\n{outcome.log_tail}" if outcome.log_tail else ""
+            logger.error("Flow-run pod %s: %s.%s", pod.job_id, outcome.describe(), tail)
+        else:
+            logger.info("Flow-run pod %s: %s.", pod.job_id, outcome.describe())
+        return KineticWorkerResult(identifier=pod.job_id, status_code=status)
+
+    async def kill_infrastructure(
+        self,
+        infrastructure_pid: str,
+        configuration: KineticJobConfiguration,
+        grace_seconds: int = 30,
+    ) -> None:
+        """Cancel the flow run's pod (its Job, on GKE) and wait until it has ended."""
+        with self._lock:
+            pod = self._pods.get(infrastructure_pid)
+        if pod is None:
+            raise InfrastructureNotFound(
+                f"Flow-run pod {infrastructure_pid} is not one this worker follows: it has "
+                "ended, or another worker launched it (on GKE, `kubectl delete job "
+                f"{infrastructure_pid}` stops it)."
+            )
+        pod.cancelled_by_worker = True
+        await anyio.to_thread.run_sync(pod.backend.cancel, pod.job_id)
+        with anyio.move_on_after(grace_seconds + _EXIT_REPORT_MARGIN_SECONDS):
+            await pod.ended.wait()
+
+    # -- launching (on a worker thread: settings, blocks and backends do blocking I/O) ----
+
+    def _launch(
+        self,
+        flow_run: FlowRun,
+        configuration: KineticJobConfiguration,
+        logger: PrefectLogAdapter,
+        loop: asyncio.AbstractEventLoop,
+    ) -> _FlowPod:
+        cluster = self._cluster(configuration.cluster)
+        plan = plan_flow_pod(flow_run, configuration, cluster)
+        settings = plan.settings
+        jobs_root = settings.resolved_jobs_root()
+        self._check_storage(jobs_root, cluster)
+        backend = self._backend_for(settings, jobs_root, configuration.cluster, cluster)
+        pod = _FlowPod(
+            job_id=plan.spec.job_id,
+            backend=backend,
+            loop=loop,
+            deadline_seconds=plan.spec.timeout_seconds,
+        )
+        with self._lock:
+            self._pods[pod.job_id] = pod
+        try:
+            backend.launch(
+                plan.manifest,
+                on_exit=pod.on_exit,
+                secrets=plan.backend_secrets(),
+                on_pending=lambda reason: logger.info(
+                    "Flow-run pod %s is pending: %s", pod.job_id, reason
+                ),
+            )
+        except BaseException:
+            with self._lock:
+                self._pods.pop(pod.job_id, None)
+            raise
+        accelerator = plan.spec.accelerator
+        logger.info(
+            "Launched flow-run pod %s (%s%s, %s backend); KINETIC_OUTPUT_DIR=%s",
+            pod.job_id,
+            accelerator.name,
+            " spot" if accelerator.spot else "",
+            settings.backend,
+            plan.spec.output_dir,
+        )
+        return pod
+
+    def _cluster(self, name: str | None) -> Any:
+        if not name:
+            return None
+        from kinetic_prefect.blocks import load_cluster
+
+        return load_cluster(name)
+
+    def _check_storage(self, jobs_root: str, cluster: Any) -> None:
+        if "://" not in jobs_root or jobs_root in self._checked_roots:
+            return
+        from kinetic_prefect import preflight
+
+        preflight.check_jobs_root(jobs_root, cluster)
+        self._checked_roots.add(jobs_root)
+
+    def _backend_for(
+        self, settings: LaunchSettings, jobs_root: str, cluster_name: str | None, cluster: Any
+    ) -> Backend:
+        key = (settings.backend, jobs_root, cluster_name or "")
+        with self._lock:
+            backend = self._backends.get(key)
+            if backend is None:
+                backend = create_backend(settings, jobs_root, cluster)
+                self._backends[key] = backend
+            return backend
