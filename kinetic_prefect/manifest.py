@@ -142,7 +142,9 @@ def _env_list(spec: LaunchSpec) -> list[dict[str, Any]]:
         **spec.env,
         "KINETIC_JOB_ID": spec.job_id,
         "KINETIC_OUTPUT_DIR": spec.output_dir,
-        "KINETIC_ACCELERATOR": spec.accelerator.name,
+        # The pod's own accelerator, for the task to read; deliberately not the
+        # KINETIC_ACCELERATOR setting, so runners inside the pod do not inherit it.
+        "KINETIC_POD_ACCELERATOR": spec.accelerator.name,
     }
     secret_names = {ref.env_name for ref in spec.secret_env}
     env: list[dict[str, Any]] = [
