@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 import sys
-from typing import Annotated
+from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -91,6 +91,231 @@ def accelerators(
         )
     _console().print(table)
     typer.echo("Append ':spot' to any name (e.g. 'l4x2:spot') to run on Spot VMs.")
+
+
+# -- jobs --------------------------------------------------------------------------------------
+
+jobs_app = typer.Typer(
+    name="jobs",
+    help="List, read, cancel and clean up Kinetic Jobs on the cluster (gke backend).",
+    no_args_is_help=True,
+)
+app.add_typer(jobs_app)
+
+ClusterOption = Annotated[
+    str | None,
+    typer.Option("--cluster", help="Name of a saved KineticCluster block (else KINETIC_* env)."),
+]
+NamespaceOption = Annotated[
+    str | None, typer.Option("--namespace", "-n", help="Namespace (default: the cluster's).")
+]
+
+
+def _target(cluster_name: str | None, namespace: str | None) -> tuple[Any, Any]:
+    """The cluster block (or None) and the settings it resolves to."""
+    from kinetic_prefect.config import resolve_settings
+
+    block = None
+    layer = None
+    if cluster_name:
+        from kinetic_prefect.blocks import cluster_settings, load_cluster
+
+        block = load_cluster(cluster_name)
+        layer = cluster_settings(block)
+    settings = resolve_settings(block=layer, runner={"namespace": namespace})
+    return block, settings
+
+
+def _fail(message: str) -> NoReturn:
+    typer.echo(message, err=True)
+    raise typer.Exit(1)
+
+
+def _run(coro: Any) -> Any:
+    from kinetic_prefect.errors import ConfigurationError
+    from kinetic_prefect.kube import run_sync
+
+    try:
+        return run_sync(coro)
+    except ConfigurationError as exc:
+        _fail(str(exc))
+
+
+async def _with_access(block: Any, settings: Any, work: Any) -> Any:
+    from kinetic_prefect.kube import connect
+
+    access = await connect(block, settings.kube_context)
+    try:
+        return await work(access)
+    finally:
+        await access.close()
+
+
+def _age(timestamp: str | None) -> str:
+    import datetime
+
+    if not timestamp:
+        return "-"
+    then = datetime.datetime.fromisoformat(timestamp.replace("Z", "+00:00"))
+    seconds = int((datetime.datetime.now(datetime.UTC) - then).total_seconds())
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit}"
+    return f"{max(seconds, 0)}s"
+
+
+@jobs_app.command("ls")
+def jobs_ls(cluster: ClusterOption = None, namespace: NamespaceOption = None) -> None:
+    """List the Jobs kinetic-prefect created, with their task, accelerator and status.
+
+    Example: kinetic-prefect jobs ls --cluster gke
+    """
+    from kinetic_prefect.kube import list_kinetic_jobs
+
+    block, settings = _target(cluster, namespace)
+    found = _run(_with_access(block, settings, lambda a: list_kinetic_jobs(a, settings.namespace)))
+    table = Table(title=f"Kinetic Jobs in namespace {settings.namespace}")
+    for column in ("job", "task", "accelerator", "status", "age", "flow run"):
+        table.add_column(column, overflow="fold")
+    for job in found:
+        table.add_row(
+            job.name, job.task, job.accelerator, job.status, _age(job.created), job.flow_run_id
+        )
+    _console().print(table)
+
+
+@jobs_app.command("logs")
+def jobs_logs(
+    job_id: Annotated[str, typer.Argument(help="The Job's name (a future's job_id).")],
+    tail: Annotated[int | None, typer.Option("--tail", help="Only the last N lines.")] = None,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Stream until it ends.")] = False,
+    cluster: ClusterOption = None,
+    namespace: NamespaceOption = None,
+) -> None:
+    """Print the log of a Job's pod.
+
+    Example: kinetic-prefect jobs logs kp-train-1a2b3c4d --follow
+    """
+    from kubernetes_asyncio import client
+
+    from kinetic_prefect.kube import follow_pod_log, pod_log, pods_of_job
+
+    block, settings = _target(cluster, namespace)
+
+    async def show(access: Any) -> None:
+        core = client.CoreV1Api(access.client)
+        pods = await pods_of_job(core, settings.namespace, job_id)
+        if not pods:
+            _fail(f"Job {job_id} has no pod in namespace {settings.namespace} (yet, or any more).")
+        pod = pods[0]["metadata"]["name"]
+        if follow:
+            async for line in follow_pod_log(core, settings.namespace, pod):
+                typer.echo(line, nl=False)
+        else:
+            typer.echo(await pod_log(core, settings.namespace, pod, tail), nl=False)
+
+    _run(_with_access(block, settings, show))
+
+
+@jobs_app.command("cancel")
+def jobs_cancel(
+    job_ids: Annotated[list[str], typer.Argument(help="Job names to cancel.")],
+    cluster: ClusterOption = None,
+    namespace: NamespaceOption = None,
+) -> None:
+    """Delete Jobs and their pods; the runner sees the pods end and reports the task runs.
+
+    Example: kinetic-prefect jobs cancel kp-train-1a2b3c4d
+    """
+    from kinetic_prefect.kube import delete_job
+
+    block, settings = _target(cluster, namespace)
+
+    async def cancel(access: Any) -> list[bool]:
+        return [await delete_job(access, settings.namespace, job) for job in job_ids]
+
+    deleted = _run(_with_access(block, settings, cancel))
+    for job, found in zip(job_ids, deleted, strict=True):
+        typer.echo(f"{job}: {'deleted' if found else 'not found'}")
+    if not all(deleted):
+        raise typer.Exit(1)
+
+
+@jobs_app.command("cleanup")
+def jobs_cleanup(
+    older_than: Annotated[
+        float, typer.Option("--older-than", help="Only Jobs finished this many hours ago.")
+    ] = 0.0,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Only say what would go.")] = False,
+    cluster: ClusterOption = None,
+    namespace: NamespaceOption = None,
+) -> None:
+    """Delete finished Jobs and their `kinetic/{job}/` artifacts; outputs are kept.
+
+    Kubernetes already removes finished Jobs after `ttl_seconds_after_finished`;
+    this is for clusters without the TTL controller, or to clean up sooner.
+
+    Example: kinetic-prefect jobs cleanup --older-than 24
+    """
+    import datetime
+
+    from kinetic_prefect.jobs import cleanup_jobs
+    from kinetic_prefect.kube import delete_job, list_kinetic_jobs
+
+    block, settings = _target(cluster, namespace)
+    cutoff = datetime.datetime.now(datetime.UTC) - datetime.timedelta(hours=older_than)
+
+    def due(finished_at: str | None) -> bool:
+        if not finished_at:
+            return older_than <= 0
+        return datetime.datetime.fromisoformat(finished_at.replace("Z", "+00:00")) <= cutoff
+
+    async def cleanup(access: Any) -> list[str]:
+        found = await list_kinetic_jobs(access, settings.namespace)
+        chosen = [j.name for j in found if j.finished and due(j.finished_at)]
+        if not dry_run:
+            for name in chosen:
+                await delete_job(access, settings.namespace, name)
+        return chosen
+
+    chosen = _run(_with_access(block, settings, cleanup))
+    jobs_root = settings.jobs_root
+    removed = 0 if dry_run or not jobs_root or not chosen else cleanup_jobs(jobs_root, chosen)
+    verb = "would delete" if dry_run else "deleted"
+    for name in chosen:
+        typer.echo(f"{verb} {name}")
+    typer.echo(f"{len(chosen)} Job(s) {verb}; {removed} artifact file(s) removed.")
+
+
+# -- doctor ------------------------------------------------------------------------------------
+
+
+@app.command("doctor")
+def doctor(
+    cluster: ClusterOption = None,
+    accelerator: Annotated[
+        str | None, typer.Option("--accelerator", help="Check node pools for this accelerator.")
+    ] = None,
+    namespace: NamespaceOption = None,
+) -> None:
+    """Check the configuration: Prefect API for pods, buckets, cluster access, node pools.
+
+    Example: kinetic-prefect doctor --cluster gke --accelerator tpu-v5e-4
+    """
+    from kinetic_prefect.preflight import doctor_checks as run_checks
+
+    block, settings = _target(cluster, namespace)
+    failed = False
+    for check in run_checks(block, settings, accelerator):
+        label, colour = {
+            "ok": ("ok", "green"),
+            "warn": ("warn", "yellow"),
+            "fail": ("FAIL", "red"),
+        }[check.level]
+        _console().print(f"[{colour}]{label:>4}[/]  {check.name}: {check.detail}", highlight=False)
+        failed = failed or check.level == "fail"
+    if failed:
+        raise typer.Exit(1)
 
 
 if __name__ == "__main__":

@@ -162,8 +162,15 @@ async def pod_log(core: Any, namespace: str, pod: str, tail: int | None = None) 
     kwargs: dict[str, Any] = {"container": CONTAINER_NAME}
     if tail:
         kwargs["tail_lines"] = tail
-    text = await core.read_namespaced_pod_log(pod, namespace, **kwargs)
-    return str(text)
+    # Raw, so a log line that happens to be JSON is not parsed as the response body.
+    response = await core.read_namespaced_pod_log(pod, namespace, _preload_content=False, **kwargs)
+    body = await response.read()
+    response.release()
+    if response.status != 200:
+        from kubernetes_asyncio.client.exceptions import ApiException
+
+        raise ApiException(status=response.status, reason=body.decode(errors="replace")[:500])
+    return body.decode(errors="replace")
 
 
 async def follow_pod_log(core: Any, namespace: str, pod: str) -> AsyncIterator[str]:
@@ -207,3 +214,127 @@ def run_sync(coro: Any) -> Any:
     except RuntimeError:
         return asyncio.run(coro)
     raise RuntimeError("run_sync cannot be used inside a running event loop.")
+
+
+# -- what `kinetic-prefect jobs` works with -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JobSummary:
+    """One Kinetic Job as the cluster shows it."""
+
+    name: str
+    namespace: str
+    status: str
+    task: str
+    accelerator: str
+    flow_run_id: str
+    created: str
+    finished: bool
+    finished_at: str | None
+    pod: str | None
+
+
+def _job_status(job: dict[str, Any], pod: dict[str, Any] | None) -> tuple[str, bool, str | None]:
+    from kinetic_prefect.backends.kubernetes import job_failure, pending_reason, pod_outcome
+
+    status = job.get("status") or {}
+    conditions = {
+        c.get("type"): c for c in status.get("conditions") or [] if c.get("status") == "True"
+    }
+    if job.get("metadata", {}).get("deletionTimestamp"):
+        return "Deleting", False, None
+    if "Complete" in conditions:
+        return "Succeeded", True, conditions["Complete"].get("lastTransitionTime")
+    if "Failed" in conditions:
+        _, _, reason = pod_outcome(pod, job)
+        detail = reason or job_failure(job) or conditions["Failed"].get("reason") or ""
+        return (
+            f"Failed: {detail}" if detail else "Failed",
+            True,
+            conditions["Failed"].get("lastTransitionTime"),
+        )
+    if pod is not None:
+        phase = (pod.get("status") or {}).get("phase") or "Pending"
+        if phase == "Pending":
+            manifest = {"metadata": job.get("metadata") or {}, "spec": job.get("spec") or {}}
+            waiting = pending_reason(pod, manifest)
+            return f"Pending: {waiting}" if waiting else "Pending", False, None
+        return phase, phase in {"Succeeded", "Failed"}, None
+    return "Pending", False, None
+
+
+async def list_kinetic_jobs(access: ClusterAccess, namespace: str) -> list[JobSummary]:
+    """Every Job kinetic-prefect created in `namespace`, oldest first."""
+    from kubernetes_asyncio import client
+
+    from kinetic_prefect.manifest import (
+        ANNOTATION_ACCELERATOR,
+        ANNOTATION_TASK_NAME,
+        LABEL_FLOW_RUN_ID,
+        LABEL_JOB_ID,
+    )
+
+    batch, core = client.BatchV1Api(access.client), client.CoreV1Api(access.client)
+    jobs = await read_json(
+        await batch.list_namespaced_job(
+            namespace, label_selector=MANAGED_SELECTOR, _preload_content=False
+        )
+    )
+    pods = await read_json(
+        await core.list_namespaced_pod(
+            namespace, label_selector=MANAGED_SELECTOR, _preload_content=False
+        )
+    )
+    pod_of = {
+        (p["metadata"].get("labels") or {}).get(LABEL_JOB_ID): p for p in pods.get("items") or []
+    }
+    summaries = []
+    for job in jobs.get("items") or []:
+        meta = job["metadata"]
+        labels, annotations = meta.get("labels") or {}, meta.get("annotations") or {}
+        pod = pod_of.get(labels.get(LABEL_JOB_ID, meta["name"]))
+        status, finished, finished_at = _job_status(job, pod)
+        summaries.append(
+            JobSummary(
+                name=meta["name"],
+                namespace=meta.get("namespace") or namespace,
+                status=status,
+                task=annotations.get(ANNOTATION_TASK_NAME, ""),
+                accelerator=annotations.get(ANNOTATION_ACCELERATOR, ""),
+                flow_run_id=labels.get(LABEL_FLOW_RUN_ID, ""),
+                created=meta.get("creationTimestamp") or "",
+                finished=finished,
+                finished_at=finished_at,
+                pod=(pod or {}).get("metadata", {}).get("name"),
+            )
+        )
+    return sorted(summaries, key=lambda s: (s.created, s.name))
+
+
+async def delete_job(access: ClusterAccess, namespace: str, name: str) -> bool:
+    """Delete a Job and (Foreground) its pods; False when it does not exist."""
+    from kubernetes_asyncio import client
+    from kubernetes_asyncio.client.exceptions import ApiException
+
+    try:
+        await read_json(
+            await client.BatchV1Api(access.client).delete_namespaced_job(
+                name, namespace, propagation_policy="Foreground", _preload_content=False
+            )
+        )
+    except ApiException as exc:
+        if exc.status == 404:
+            return False
+        raise
+    return True
+
+
+async def list_nodes(access: ClusterAccess) -> list[dict[str, Any]]:
+    """The cluster's nodes (needs a ClusterRole that may list nodes)."""
+    from kubernetes_asyncio import client
+
+    listing = await read_json(
+        await client.CoreV1Api(access.client).list_node(_preload_content=False)
+    )
+    return list(listing.get("items") or [])

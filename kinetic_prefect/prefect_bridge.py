@@ -27,12 +27,18 @@ _DROPPED_SETTINGS = (("server", "database", "connection_url"),)
 
 def _drop_masked(values: Any) -> Any:
     if isinstance(values, dict):
-        return {
-            k: _drop_masked(v)
-            for k, v in values.items()
-            if not (isinstance(v, str) and v and set(v) <= _MASK_CHARS)
-        }
+        return {k: _drop_masked(v) for k, v in values.items() if not _is_secret(v)}
     return values
+
+
+def _is_secret(value: Any) -> bool:
+    # serialize(include_secrets=False) leaves some secrets as SecretStr objects, which
+    # pickle with their real value: the API key would travel in every payload.
+    from pydantic import SecretBytes, SecretStr
+
+    if isinstance(value, (SecretStr, SecretBytes)):
+        return True
+    return isinstance(value, str) and bool(value) and set(value) <= _MASK_CHARS
 
 
 def api_url() -> str | None:

@@ -366,6 +366,9 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
         return settings
 
     def _check_storage(self, settings: LaunchSettings) -> None:
+        if settings.backend == "gke":
+            # Pods elsewhere cannot reach a loopback API: refuse before anything is uploaded.
+            preflight.check_api_reachable_by_pods(settings)
         jobs_root = settings.resolved_jobs_root()
         if jobs_root in self._checked_roots or "://" not in jobs_root:
             return

@@ -65,6 +65,8 @@ EVENTS_PROBE_SECONDS = 10.0
 EVENTS_PROBE_INTERVAL = 15.0
 # How long to wait for a pod's own final status after its Job ended or was deleted.
 SETTLE_MARGIN_SECONDS = 30.0
+# How long to wait for the Job's reason after its pod vanished without a final status.
+POD_GONE_SETTLE_SECONDS = 5.0
 
 _IMAGE_WAITING_REASONS = {
     "ErrImagePull",
@@ -127,7 +129,7 @@ def pod_started(pod: Mapping[str, Any] | None) -> bool:
 
 def job_failure(job: Mapping[str, Any] | None) -> str:
     """The Job controller's reason for failing a Job, when it says more than the pod does."""
-    condition = _condition(job, "Failed")
+    condition = _condition(job, "FailureTarget") or _condition(job, "Failed")
     if condition is None or condition.get("reason") in {None, "", "BackoffLimitExceeded"}:
         return ""
     return f"{condition.get('reason')}: {condition.get('message') or ''}".strip().rstrip(":")
@@ -219,6 +221,8 @@ class _Job:
     on_exit: OnExit
     on_pending: OnPending | None
     created: bool = False
+    # Holds one of `max_parallel` slots (from its create request until it ends).
+    counted: bool = False
     created_seq: int = 0
     created_at: float = 0.0
     pod: dict[str, Any] | None = None
@@ -283,6 +287,7 @@ class KubernetesBackend:
         self._create_seq = 0
         self._secret_digests: dict[tuple[str, str], str] = {}
         self._secret_lock: asyncio.Lock | None = None
+        self._connect_lock: asyncio.Lock | None = None
         self._watched: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._wake: asyncio.Event | None = None
@@ -379,18 +384,22 @@ class KubernetesBackend:
         task.add_done_callback(self._tasks.discard)
 
     async def _connect(self) -> Any:
-        if self._access is None:
-            from kubernetes_asyncio import client
+        if self._connect_lock is None:
+            self._connect_lock = asyncio.Lock()
+        async with self._connect_lock:  # launches from several threads arrive together
+            if self._access is None:
+                from kubernetes_asyncio import client
 
-            from kinetic_prefect.kube import connect
+                from kinetic_prefect.kube import connect
 
-            self._access = await connect(self.cluster, self.kube_context)
-            self._batch = client.BatchV1Api(self._access.client)
-            self._core = client.CoreV1Api(self._access.client)
-            self._secret_lock = asyncio.Lock()
-            self._wake = asyncio.Event()
-            self._spawn(self._access.keep_token_fresh())
-            self._spawn(self._timers())
+                access = await connect(self.cluster, self.kube_context)
+                self._batch = client.BatchV1Api(access.client)
+                self._core = client.CoreV1Api(access.client)
+                self._secret_lock = asyncio.Lock()
+                self._wake = asyncio.Event()
+                self._access = access
+                self._spawn(access.keep_token_fresh())
+                self._spawn(self._timers())
         return self._access
 
     async def _shutdown(self) -> None:
@@ -466,6 +475,7 @@ class KubernetesBackend:
         from kinetic_prefect.kube import read_json
 
         self._active += 1
+        job.counted = True
         try:
             await read_json(
                 await self._batch.create_namespaced_job(
@@ -476,6 +486,7 @@ class KubernetesBackend:
             # A lost response or a retried request may still have created the Job.
             if not await self._job_exists(job):
                 self._active -= 1
+                job.counted = False
                 raise RuntimeError(
                     f"Could not create Job {job.namespace}/{job.job_id}: {_api_error(exc)}"
                 ) from exc
@@ -611,6 +622,7 @@ class KubernetesBackend:
             if not job.done:
                 await self._cancel(job.job_id)
         deadline = time.monotonic() + timeout
+        # Exits arrive through the watch; a short poll keeps this independent of it.
         while any(not j.done for j in self._jobs.values()) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for job in list(self._jobs.values()):
@@ -691,6 +703,15 @@ class KubernetesBackend:
                 if isinstance(exc, ApiException) and exc.status == 410:
                     version = None
                     continue
+                if isinstance(exc, ApiException) and exc.status in {401, 403}:
+                    # Without a watch no exit would ever be seen: fail fast, saying why.
+                    reason = f"cannot watch {kind}s in namespace {namespace}: {_api_error(exc)}"
+                    logger.error("%s", reason)
+                    for job in list(self._jobs.values()):
+                        live = not job.done and not job.failing_to_start and job.created
+                        if job.namespace == namespace and live:
+                            job.failing_to_start = True
+                            self._spawn(self._fail_to_start(job, reason))
                 logger.warning(
                     "The %s watch in namespace %s broke (%s); resuming", kind, namespace, exc
                 )
@@ -734,29 +755,34 @@ class KubernetesBackend:
     def _evaluate(self, job: _Job) -> None:
         if job.done or job.failing_to_start:
             return
-        pod, phase = job.pod, pod_phase(job.pod)
-        if phase in {"Succeeded", "Failed"}:
-            code, sig, reason = pod_outcome(pod, job.job)
-            self._conclude(job, code, sig, reason)
+        pod = job.pod
+        if pod_phase(pod) in {"Succeeded", "Failed"}:
+            self._conclude(job, *pod_outcome(pod, job.job))
             return
-        if job.pod_gone:
-            code, sig, reason = pod_outcome(pod, job.job)
-            self._conclude(job, code, sig, reason or "the pod was deleted before it finished")
+        ended = bool(
+            job.job_gone
+            or _condition(job.job, "Complete")
+            or _condition(job.job, "Failed")
+            or _condition(job.job, "FailureTarget")
+        )
+        if pod is None and _condition(job.job, "Complete"):
+            self._conclude(job, 0, None, "")
             return
-        job_ended = job.job_gone or _condition(job.job, "Complete") or _condition(job.job, "Failed")
-        if job_ended:
-            if pod is None:
-                if _condition(job.job, "Complete"):
-                    self._conclude(job, 0, None, "")
-                else:
-                    reason = job_failure(job.job) or (
-                        "" if job.cancelled else "the Job was deleted before its pod started"
-                    )
-                    self._conclude(job, None, None, reason)
-                return
+        if (job.pod_gone and (ended or job.cancelled)) or (pod is None and job.job_gone):
+            self._conclude_as_known(job)
+            return
+        if job.pod_gone or ended:
+            # The rest of the story is on its way on the other stream: the Job's reason
+            # after its pod vanished (DeadlineExceeded), or the pod's final status after
+            # its Job ended. Wait for it, but not forever.
             if job.settle_by is None:
-                # The pod's own final status is on its way; wait for it, but not forever.
-                job.settle_by = time.monotonic() + self.cancel_grace_seconds + SETTLE_MARGIN_SECONDS
+                alive = pod is not None and not job.pod_gone
+                wait = (
+                    self.cancel_grace_seconds + SETTLE_MARGIN_SECONDS
+                    if alive
+                    else POD_GONE_SETTLE_SECONDS
+                )
+                job.settle_by = time.monotonic() + wait
                 self._poke()
             return
         if pod is not None and not pod_started(pod):
@@ -765,6 +791,20 @@ class KubernetesBackend:
                 job.pending_reason = waiting
                 if job.on_pending is not None and not job.cancelled:
                     self._dispatch(job, job.on_pending, waiting)
+
+    def _conclude_as_known(self, job: _Job) -> None:
+        """End a job from whatever was last seen of its pod and Job."""
+        code, sig, reason = pod_outcome(job.pod, job.job)
+        if not reason and not job.cancelled:
+            if job.pod_gone:
+                reason = "the pod was deleted before it finished"
+            elif job.pod is None and job.job_gone:
+                reason = "the Job was deleted before its pod started"
+            elif job.pod is None:
+                reason = "the Job ended before its pod was seen"
+            else:
+                reason = "the pod did not report how it ended"
+        self._conclude(job, code, sig, reason)
 
     def _conclude(
         self,
@@ -778,7 +818,8 @@ class KubernetesBackend:
         if job.done:
             return
         job.done = True
-        if job.created:
+        if job.counted:
+            job.counted = False
             self._active -= 1
             if self._queued:
                 self._spawn(self._create_queued())
@@ -809,15 +850,15 @@ class KubernetesBackend:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _fail_to_start(self, job: _Job) -> None:
-        if job.pod is None:
-            await self._probe_events(job)
-        waited = time.monotonic() - job.created_at
-        reason = job.pending_reason or "the pod did not start"
-        reason += (
-            f" (pending for {waited:.0f}s, longer than "
-            f"pending_timeout_seconds={self.pending_timeout_seconds:g}; the Job was deleted)"
-        )
+    async def _fail_to_start(self, job: _Job, reason: str | None = None) -> None:
+        if reason is None:
+            if job.pod is None:
+                await self._probe_events(job)
+            waited = time.monotonic() - job.created_at
+            reason = (job.pending_reason or "the pod did not start") + (
+                f" (pending for {waited:.0f}s, longer than "
+                f"pending_timeout_seconds={self.pending_timeout_seconds:g}; the Job was deleted)"
+            )
         await self._delete_job(job)
         self._conclude(job, None, None, "", start_failure=reason)
 
@@ -873,8 +914,7 @@ class KubernetesBackend:
         moments: list[float] = []
         if job.settle_by is not None:
             if now >= job.settle_by:
-                code, sig, reason = pod_outcome(job.pod, job.job)
-                self._conclude(job, code, sig, reason or "the pod did not report how it ended")
+                self._conclude_as_known(job)
                 return None
             moments.append(job.settle_by)
         if job.failing_to_start:

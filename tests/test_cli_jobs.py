@@ -1,0 +1,226 @@
+"""`kinetic-prefect jobs ls|logs|cancel|cleanup` and `doctor` against the emulated cluster."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prefect_gcp.cloud_storage import GcsBucket
+from prefect_kubernetes.credentials import KubernetesClusterConfig
+from typer.testing import CliRunner
+
+from kinetic_prefect.accelerators import parse_accelerator
+from kinetic_prefect.blocks import KineticCluster, KineticGcpCredentials
+from kinetic_prefect.cli import app
+from kinetic_prefect.manifest import LABEL_JOB_ID, LaunchSpec, build_job_manifest
+from tests.helpers.kube import KubeCluster, Node, running_cluster
+from tests.helpers.waiting import wait_until
+
+pytestmark = pytest.mark.usefixtures("workdir")
+
+cli = CliRunner()
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[KubeCluster]:
+    with running_cluster(tmp_path / "cluster") as emulated:
+        emulated.kubelet.run_containers = False
+        monkeypatch.setenv("KUBECONFIG", str(emulated.kubeconfig))
+        yield emulated
+
+
+def _launch(cluster: KubeCluster, job_id: str, namespace: str = "default", fault: str = "") -> None:
+    """Create a Kinetic Job as the runner would (pods end at once unless `fault` says else)."""
+    if fault:
+        cluster.kubelet.faults_by_job[job_id] = fault
+    spec = LaunchSpec(
+        job_id=job_id,
+        task_name="train",
+        task_run_id="00000000-0000-0000-0000-000000000001",
+        flow_run_id="00000000-0000-0000-0000-000000000002",
+        accelerator=parse_accelerator("cpu"),
+        image="python:3.11-slim",
+        namespace=namespace,
+        payload_uri="gs://b/kinetic/x/payload.pkl",
+        payload_sha256="0" * 64,
+        context_uri="gs://b/kinetic/x/context.zip",
+        context_sha256="0" * 64,
+        job_dir_uri="gs://b/kinetic/x",
+        output_dir="gs://b/outputs/x",
+    )
+    cluster.create(f"/apis/batch/v1/namespaces/{namespace}/jobs", build_job_manifest(spec))
+
+
+def _plain_job(name: str) -> dict[str, Any]:
+    """A Job someone else created in the same namespace."""
+    pod_spec = {"restartPolicy": "Never", "containers": [{"name": "main", "image": "busybox"}]}
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": name, "labels": {"app": "other"}},
+        "spec": {"template": {"metadata": {"labels": {"app": "other"}}, "spec": pod_spec}},
+    }
+
+
+def _pod(cluster: KubeCluster, job_id: str, phase: str) -> dict[str, Any] | None:
+    for pod in cluster.pods():
+        if pod["metadata"]["labels"].get(LABEL_JOB_ID) == job_id:
+            return pod if pod.get("status", {}).get("phase") == phase else None
+    return None
+
+
+def _log_file(cluster: KubeCluster, pod: dict[str, Any]) -> Path:
+    key = (pod["metadata"]["namespace"], pod["metadata"]["name"])
+    return cluster.call(lambda: cluster.emulator.log_files[key])
+
+
+def test_jobs_ls_lists_kinetic_jobs_with_task_accelerator_and_status(cluster):
+    _launch(cluster, "kp-train-0001")
+    cluster.create("/apis/batch/v1/namespaces/default/jobs", _plain_job("not-ours"))
+    wait_until(lambda: _pod(cluster, "kp-train-0001", "Succeeded"), 30, "the pod to succeed")
+
+    result = cli.invoke(app, ["jobs", "ls"])
+
+    assert result.exit_code == 0, result.output
+    row = next(line for line in result.output.splitlines() if "kp-train-0001" in line)
+    assert ("train" in row, "cpu" in row, "Succeeded" in row) == (True, True, True)
+    assert "not-ours" not in result.output
+
+
+def test_jobs_logs_prints_the_last_lines_of_the_pod_log(cluster):
+    _launch(cluster, "kp-train-0002")
+    pod = wait_until(lambda: _pod(cluster, "kp-train-0002", "Succeeded"), 30, "the pod")
+    _log_file(cluster, pod).write_text("step 1\nstep 2\nstep 3\n")
+
+    result = cli.invoke(app, ["jobs", "logs", "kp-train-0002", "--tail", "2"])
+
+    assert result.exit_code == 0, result.output
+    assert result.output == "step 2\nstep 3\n"
+
+
+def test_jobs_logs_follow_streams_new_lines_until_the_container_ends(cluster):
+    _launch(cluster, "kp-train-0003", fault="hang")
+    pod = wait_until(lambda: _pod(cluster, "kp-train-0003", "Running"), 30, "the pod to run")
+    log = _log_file(cluster, pod)
+    key = (pod["metadata"]["namespace"], pod["metadata"]["name"])
+
+    def write_while_followed() -> None:
+        wait_until(
+            lambda: any(r.params.get("follow") for r in cluster.client_requests()),
+            30,
+            "the log to be followed",
+        )
+        log.write_text(log.read_text() + "written while following\n")
+        cluster.call(lambda: cluster.emulator.finished_logs.add(key))
+
+    writer = threading.Thread(target=write_while_followed)
+    writer.start()
+    result = cli.invoke(app, ["jobs", "logs", "kp-train-0003", "--follow"])
+    writer.join()
+
+    assert result.exit_code == 0, result.output
+    assert result.output.endswith("written while following\n")
+
+
+def test_jobs_cancel_deletes_the_job_and_its_pod(cluster):
+    _launch(cluster, "kp-train-0004", fault="hang")
+    wait_until(lambda: _pod(cluster, "kp-train-0004", "Running"), 30, "the pod to run")
+
+    result = cli.invoke(app, ["jobs", "cancel", "kp-train-0004"])
+
+    assert result.exit_code == 0, result.output
+    wait_until(lambda: cluster.jobs() == [] and cluster.pods() == [], 30, "Job and pod gone")
+
+
+def test_jobs_cancel_of_an_unknown_job_fails(cluster):
+    result = cli.invoke(app, ["jobs", "cancel", "kp-no-such-job"])
+
+    assert (result.exit_code, "kp-no-such-job: not found" in result.output) == (1, True)
+
+
+def test_jobs_cleanup_removes_finished_jobs_and_their_artifacts_but_not_running_ones(
+    cluster, workdir, monkeypatch
+):
+    monkeypatch.setenv("KINETIC_JOBS_ROOT", str(workdir / "jobs"))
+    for job_id in ("kp-done-0005", "kp-busy-0006"):
+        (workdir / "jobs" / "kinetic" / job_id).mkdir(parents=True)
+        (workdir / "jobs" / "kinetic" / job_id / "payload.pkl").write_bytes(b"payload")
+    _launch(cluster, "kp-done-0005")
+    _launch(cluster, "kp-busy-0006", fault="hang")
+    wait_until(lambda: _pod(cluster, "kp-done-0005", "Succeeded"), 30, "the first pod to end")
+    wait_until(lambda: _pod(cluster, "kp-busy-0006", "Running"), 30, "the second pod to run")
+
+    result = cli.invoke(app, ["jobs", "cleanup"])
+
+    assert result.exit_code == 0, result.output
+    wait_until(
+        lambda: [j["metadata"]["name"] for j in cluster.jobs()] == ["kp-busy-0006"],
+        30,
+        "only the running Job to remain",
+    )
+    assert sorted(p.name for p in (workdir / "jobs" / "kinetic").iterdir()) == ["kp-busy-0006"]
+
+
+def test_cluster_option_uses_the_saved_blocks_kube_config_and_namespace(
+    cluster, prefect_api, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "no-such-kubeconfig"))
+    KineticCluster(
+        namespace="ml",
+        kube_config=KubernetesClusterConfig(config=cluster.kubeconfig_dict(), context_name="kmock"),
+    ).save("cli-ml", overwrite=True)
+    _launch(cluster, "kp-train-0007", namespace="ml")
+
+    result = cli.invoke(app, ["jobs", "ls", "--cluster", "cli-ml"])
+
+    assert result.exit_code == 0, result.output
+    assert "kp-train-0007" in result.output
+
+
+# -- doctor ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def gke_block(cluster, gcs, prefect_api) -> str:
+    GcsBucket(bucket=gcs.name, gcp_credentials=KineticGcpCredentials()).save(
+        "doctor-results", overwrite=True
+    )
+    KineticCluster(
+        backend="gke", jobs_bucket=gcs.uri, result_storage=GcsBucket.load("doctor-results")
+    ).save("doctor", overwrite=True)
+    return "doctor"
+
+
+def test_doctor_fails_a_loopback_prefect_api_for_the_gke_backend(gke_block):
+    result = cli.invoke(app, ["doctor", "--cluster", gke_block])
+
+    assert result.exit_code == 1
+    assert "loopback address, which pods in the cluster cannot reach" in result.output
+
+
+def test_doctor_counts_the_nodes_that_offer_the_accelerator(gke_block, cluster, monkeypatch):
+    monkeypatch.setenv("KINETIC_ALLOW_LOOPBACK_API", "true")
+    cluster.kubelet.nodes = [
+        Node("gpu-1", {"cloud.google.com/gke-accelerator": "nvidia-l4"}, {"nvidia.com/gpu": 1}),
+        Node("cpu-1"),
+    ]
+    cluster.publish_nodes()
+
+    result = cli.invoke(app, ["doctor", "--cluster", gke_block, "--accelerator", "l4"])
+
+    assert result.exit_code == 0, result.output
+    assert "1 node(s) with cloud.google.com/gke-accelerator=nvidia-l4" in result.output
+    assert "1 with nvidia.com/gpu >= 1" in result.output
+
+
+def test_doctor_warns_when_no_node_offers_the_accelerator(gke_block, cluster, monkeypatch):
+    monkeypatch.setenv("KINETIC_ALLOW_LOOPBACK_API", "true")
+    cluster.publish_nodes()
+
+    result = cli.invoke(app, ["doctor", "--cluster", gke_block, "--accelerator", "tpu-v5e-4"])
+
+    assert result.exit_code == 0, result.output
+    assert "no node has cloud.google.com/gke-tpu-accelerator=tpu-v5-lite-podslice" in result.output
