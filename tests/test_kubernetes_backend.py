@@ -10,7 +10,6 @@ import signal
 import statistics
 import threading
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,16 +22,16 @@ from prefect import flow, get_client, task
 from prefect.exceptions import TerminationSignal
 from prefect.futures import wait
 from prefect.settings import PREFECT_API_KEY, temporary_settings
-from prefect_gcp.cloud_storage import GcsBucket
 from prefect_kubernetes.credentials import KubernetesClusterConfig
 
 from kinetic_prefect import KineticTaskRunner
-from kinetic_prefect.blocks import KineticCluster, KineticGcpCredentials
+from kinetic_prefect.blocks import KineticCluster
 from kinetic_prefect.errors import ConfigurationError
 from kinetic_prefect.manifest import DEFAULT_SECRET_NAME, LABEL_JOB_ID
 from tests.helpers.kube import KubeCluster, Node, running_cluster
 from tests.helpers.waiting import wait_for_task_run_state, wait_until
-from tests.test_results_and_retries import train_to_ten
+from tests.test_results_and_retries import _gcs_cluster, train_to_ten
+from tests.test_task_runner import raise_in_a_pod
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
 
@@ -77,18 +76,7 @@ def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[KubeClu
 @pytest.fixture
 def gke(gcs: object, cluster: KubeCluster) -> str:
     """A saved gke KineticCluster with jobs and results in the fake GCS bucket."""
-    name = f"gke-{os.urandom(4).hex()}"
-    GcsBucket(
-        bucket=gcs.name,  # type: ignore[attr-defined]
-        bucket_folder="results",
-        gcp_credentials=KineticGcpCredentials(),
-    ).save(f"{name}-results", overwrite=True)
-    KineticCluster(
-        backend="gke",
-        jobs_bucket=gcs.uri,  # type: ignore[attr-defined]
-        result_storage=GcsBucket.load(f"{name}-results"),
-    ).save(name, overwrite=True)
-    return name
+    return _gcs_cluster(gcs, f"gke-{os.urandom(4).hex()}", backend="gke")
 
 
 def _runner(gke: str, **options: object) -> KineticTaskRunner:
@@ -130,14 +118,7 @@ def test_mapped_results_come_back_from_job_pods_through_gcs_result_storage(gke, 
 
 
 def test_task_exception_is_reraised_with_the_pod_traceback_and_the_run_is_failed(gke, cluster):
-    @flow(task_runner=_runner(gke))
-    def failing() -> tuple[str, object]:
-        future = explode.submit()
-        with pytest.raises(ValueError, match="boom") as info:
-            future.result()
-        return "".join(traceback.format_exception(info.value)), future.task_run_id
-
-    formatted, task_run_id = failing()
+    formatted, task_run_id = raise_in_a_pod(_runner(gke))
 
     assert "Traceback from the pod" in formatted
     assert 'raise ValueError("boom")' in formatted

@@ -69,7 +69,8 @@ def cached_square(x: int) -> int:
     return x * x
 
 
-def _gcs_cluster(gcs: object, name: str) -> str:
+def _gcs_cluster(gcs: object, name: str, backend: str = "local") -> str:
+    """Save a KineticCluster with jobs and results in the test bucket; returns its name."""
     results = GcsBucket(
         bucket=gcs.name,
         bucket_folder="results",
@@ -77,7 +78,7 @@ def _gcs_cluster(gcs: object, name: str) -> str:
     )
     results.save(f"{name}-results", overwrite=True)
     KineticCluster(
-        backend="local",
+        backend=backend,
         jobs_bucket=gcs.uri,  # type: ignore[attr-defined]
         result_storage=GcsBucket.load(f"{name}-results"),
     ).save(name, overwrite=True)

@@ -89,15 +89,21 @@ def test_mapped_task_returns_every_result_from_pods_outside_the_flow_process(lau
         wait_for_task_run_state(task_run_id, "COMPLETED")
 
 
-def test_task_exception_is_reraised_with_the_pod_traceback_and_the_run_is_failed():
-    @flow(task_runner=KineticTaskRunner())
+def raise_in_a_pod(runner: KineticTaskRunner) -> tuple[str, object]:
+    """Run a task that raises ValueError("boom"); the formatted exception and the task run id."""
+
+    @flow(task_runner=runner)
     def failing() -> tuple[str, object]:
         future = explode.submit()
         with pytest.raises(ValueError, match="boom") as info:
             future.result()
         return "".join(traceback.format_exception(info.value)), future.task_run_id
 
-    formatted, task_run_id = failing()
+    return failing()
+
+
+def test_task_exception_is_reraised_with_the_pod_traceback_and_the_run_is_failed():
+    formatted, task_run_id = raise_in_a_pod(KineticTaskRunner())
 
     assert "Traceback from the pod" in formatted
     assert "in explode" in formatted
