@@ -49,6 +49,16 @@ class SecretRef:
     key: str
 
 
+def secret_refs(secrets: Mapping[str, str]) -> tuple[SecretRef, ...]:
+    """The `secretKeyRef`s for secret Prefect settings (env var name → value)."""
+    return tuple(SecretRef(name, DEFAULT_SECRET_NAME, SECRET_KEYS[name]) for name in secrets)
+
+
+def secret_contents(secrets: Mapping[str, str]) -> dict[str, dict[str, str]]:
+    """The Kubernetes Secret those refs point at, as a backend receives it."""
+    return {DEFAULT_SECRET_NAME: {SECRET_KEYS[name]: value for name, value in secrets.items()}}
+
+
 GCSFUSE_DRIVER = "gcsfuse.csi.storage.gke.io"
 GCSFUSE_ANNOTATION = "gke-gcsfuse/volumes"
 DATA_MOUNT_ROOT = "/mnt/kinetic-data"

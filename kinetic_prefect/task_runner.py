@@ -40,12 +40,11 @@ from kinetic_prefect.errors import (
     RemoteTraceback,
 )
 from kinetic_prefect.manifest import (
-    DEFAULT_SECRET_NAME,
-    SECRET_KEYS,
     DataVolume,
     LaunchSpec,
-    SecretRef,
     build_job_manifest,
+    secret_contents,
+    secret_refs,
 )
 from kinetic_prefect.manifest import new_job_id as make_job_id
 from kinetic_prefect.packaging import (
@@ -589,9 +588,7 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
             job_dir_uri=store.uri(prefix),
             output_dir=launch.output_dir,
             env=env,
-            secret_env=tuple(
-                SecretRef(name, DEFAULT_SECRET_NAME, SECRET_KEYS[name]) for name in secrets
-            ),
+            secret_env=secret_refs(secrets),
             timeout_seconds=settings.timeout_seconds,
             ttl_seconds_after_finished=settings.ttl_seconds_after_finished,
             service_account=settings.service_account,
@@ -604,7 +601,7 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
         backend.launch(
             launch.manifest,
             on_exit=lambda outcome: launch.in_context(self._on_pod_exit, launch, outcome),
-            secrets={DEFAULT_SECRET_NAME: {SECRET_KEYS[k]: v for k, v in secrets.items()}},
+            secrets=secret_contents(secrets),
             on_pending=lambda reason: launch.in_context(self._on_pod_pending, launch, reason),
         )
 

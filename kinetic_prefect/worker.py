@@ -44,12 +44,12 @@ from kinetic_prefect.backends import create_backend
 from kinetic_prefect.backends.base import Backend, PodExit
 from kinetic_prefect.config import LaunchSettings, env_variable_names, join_uri, resolve_settings
 from kinetic_prefect.manifest import (
-    DEFAULT_SECRET_NAME,
     SECRET_KEYS,
     LaunchSpec,
-    SecretRef,
     build_job_manifest,
     new_job_id,
+    secret_contents,
+    secret_refs,
 )
 
 if TYPE_CHECKING:
@@ -236,7 +236,7 @@ class FlowPodPlan:
 
     def backend_secrets(self) -> dict[str, dict[str, str]]:
         """The secrets as the backend stores them: one Secret, a key per value."""
-        return {DEFAULT_SECRET_NAME: {SECRET_KEYS[k]: v for k, v in self.secrets.items()}}
+        return secret_contents(self.secrets)
 
 
 def flow_pod_settings(
@@ -297,9 +297,7 @@ def plan_flow_pod(
         namespace=settings.namespace,
         output_dir=join_uri(output_root, flow_run_id, FLOW_OUTPUT_KEY),
         env=env,
-        secret_env=tuple(
-            SecretRef(name, DEFAULT_SECRET_NAME, SECRET_KEYS[name]) for name in secrets
-        ),
+        secret_env=secret_refs(secrets),
         timeout_seconds=settings.timeout_seconds,
         ttl_seconds_after_finished=settings.ttl_seconds_after_finished,
         service_account=settings.service_account,

@@ -292,7 +292,7 @@ def test_cancelling_a_running_flow_run_stops_its_flow_and_task_pods_within_the_g
 def test_cancelling_a_flow_run_whose_pod_has_not_started_the_flow_stops_the_pod(stack: Stack):
     # A pod stuck before `prefect flow-run execute` (as if pulling its image) keeps its
     # flow run Pending: only the worker can stop it.
-    stuck = f"{shlex.quote(sys.executable)} -c 'import time; time.sleep(600)'"
+    stuck = f"{shlex.quote(sys.executable)} -c 'import threading; threading.Event().wait()'"
     with stack.server.client() as client:
         flow_run = run_sweep(client, ONE_TRIAL, command=stuck)
         wait_until(
