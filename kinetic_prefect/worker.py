@@ -36,7 +36,7 @@ from prefect.workers.base import (
     BaseWorker,
     BaseWorkerResult,
 )
-from pydantic import Field, PrivateAttr
+from pydantic import BaseModel, Field, PrivateAttr
 
 from kinetic_prefect import prefect_bridge
 from kinetic_prefect.accelerators import parse_accelerator
@@ -103,8 +103,8 @@ _TIMEOUT_HELP = "Deadline of the flow-run pod in seconds (activeDeadlineSeconds)
 _NAMESPACE_HELP = "Kubernetes namespace of the flow-run Job. Default: the cluster's, else default."
 
 
-class KineticJobConfiguration(BaseJobConfiguration):
-    """A flow run's pod, as the work pool's base job template and job variables describe it."""
+class _KineticPodFields(BaseModel):
+    """The pod settings a work pool exposes: shared by the job variables and configuration."""
 
     accelerator: str | None = Field(default=None, description=_ACCELERATOR_HELP)
     spot: bool | None = Field(default=None, description=_SPOT_HELP)
@@ -112,6 +112,10 @@ class KineticJobConfiguration(BaseJobConfiguration):
     cluster: str | None = Field(default=None, description=_CLUSTER_HELP)
     timeout_seconds: int | None = Field(default=None, gt=0, description=_TIMEOUT_HELP)
     namespace: str | None = Field(default=None, description=_NAMESPACE_HELP)
+
+
+class KineticJobConfiguration(_KineticPodFields, BaseJobConfiguration):
+    """A flow run's pod, as the work pool's base job template and job variables describe it."""
 
     _user_labels: dict[str, str] = PrivateAttr(default_factory=dict)
     _flow_name: str | None = PrivateAttr(default=None)
@@ -154,15 +158,8 @@ class KineticJobConfiguration(BaseJobConfiguration):
         return self._flow_name
 
 
-class KineticVariables(BaseVariables):
+class KineticVariables(_KineticPodFields, BaseVariables):
     """Job variables of a `kinetic` work pool; a deployment's `job_variables` override them."""
-
-    accelerator: str | None = Field(default=None, description=_ACCELERATOR_HELP)
-    spot: bool | None = Field(default=None, description=_SPOT_HELP)
-    image: str | None = Field(default=None, description=_IMAGE_HELP)
-    cluster: str | None = Field(default=None, description=_CLUSTER_HELP)
-    timeout_seconds: int | None = Field(default=None, gt=0, description=_TIMEOUT_HELP)
-    namespace: str | None = Field(default=None, description=_NAMESPACE_HELP)
 
 
 class KineticWorkerResult(BaseWorkerResult):
