@@ -241,7 +241,7 @@ class Launcher:
             {
                 **prefect_bridge.secret_values(),
                 **user_secrets,
-                SIGNING_KEY_ENV: self.resources.signing_key,
+                SIGNING_KEY_ENV: self.resources.signing_key(launch),
             }
         )
         env = {
@@ -308,7 +308,9 @@ class Launcher:
             return
         assert launch.store is not None
         try:
-            end = read_attempt_end(launch.store, launch.job_id, outcome, self.resources.signing_key)
+            end = read_attempt_end(
+                launch.store, launch.job_id, outcome, self.resources.signing_key(launch)
+            )
         except Exception as exc:
             logger.exception("Reading the final state of %s failed", launch.job_id)
             self.conclude(
