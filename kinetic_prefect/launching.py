@@ -48,6 +48,7 @@ from kinetic_prefect.packaging import (
 )
 from kinetic_prefect.pod.records import SIGNING_KEY_ENV
 from kinetic_prefect.pod_secrets import PodSecrets, split_env
+from kinetic_prefect.reattach import Reattacher, identity_labels
 from kinetic_prefect.runner_resources import RunnerResources
 from kinetic_prefect.shipping import ship_parameters
 from kinetic_prefect.slices import build_workload
@@ -128,6 +129,7 @@ class Launcher:
 
     def __init__(self, resources: RunnerResources) -> None:
         self.resources = resources
+        self.reattach = Reattacher(resources)
 
     # -- before the pod ---------------------------------------------------------
 
@@ -164,8 +166,11 @@ class Launcher:
                 return
             if launch.cancelled:
                 return
+            # A pod an earlier flow process launched for this task is taken over, not doubled.
+            attached = self.reattach.attach(self, launch)
             prefect_bridge.record_output_location(launch.task_run, self._location_rows(launch))
-            self.launch_attempt(launch)
+            if not attached:
+                self.launch_attempt(launch)
         except BaseException as exc:
             logger.debug("Launching %s failed", launch.job_id, exc_info=True)
             self.conclude(launch, Failed(message=f"Could not launch the pod: {exc}", data=exc))
@@ -272,6 +277,7 @@ class Launcher:
             ttl_seconds_after_finished=settings.ttl_seconds_after_finished,
             service_account=settings.service_account,
             data_volumes=launch.data_volumes,
+            extra_labels=identity_labels(launch),
         )
         workload = build_workload(spec)
         launch.manifest = workload.job
@@ -336,16 +342,16 @@ class Launcher:
                 f"Preempted: {end.state.message} (preemption {launch.preemptions} of "
                 f"{launch.settings.preemption_retries}; the task's retries are untouched)"
             )
-            self._schedule_relaunch(launch, note, delay=0.0)
+            self.schedule_relaunch(launch, note, delay=0.0)
         elif launch.retries_left > 0 and not isinstance(
             exception_or_none(end.state), (PodPhaseError, PodStartError)
         ):
             delay = prefect_bridge.retry_delay(launch.task, launch.runs_used)
-            self._schedule_relaunch(launch, f"Retrying after a crash: {end.state.message}", delay)
+            self.schedule_relaunch(launch, f"Retrying after a crash: {end.state.message}", delay)
         else:
             self.conclude(launch, end.state)
 
-    def _schedule_relaunch(self, launch: TaskLaunch, note: str, delay: float) -> None:
+    def schedule_relaunch(self, launch: TaskLaunch, note: str, delay: float) -> None:
         """Record AwaitingRetry with the reason; wait out the delay without a pod."""
         prefect_bridge.report_state(launch.task_run, prefect_bridge.awaiting_retry(delay, note))
         launch.job_ids.append(make_job_id(launch.task.name))

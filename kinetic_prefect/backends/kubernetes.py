@@ -18,29 +18,41 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import copy
+import datetime
 import secrets as token_source
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from kubernetes_asyncio import client
+from kubernetes_asyncio.client.exceptions import ApiException
 from prefect.logging import get_logger
 
-from kinetic_prefect.backends.base import OnExit, OnPending, Secrets
+from kinetic_prefect.backends.base import FoundPod, OnExit, OnPending, Secrets
 from kinetic_prefect.backends.kube_ending import JobEnding
 from kinetic_prefect.backends.kube_handle import write_handle
 from kinetic_prefect.backends.kube_outcomes import SETTLE_MARGIN_SECONDS, OutcomeTracker
 from kinetic_prefect.backends.kube_secrets import JobSecrets
 from kinetic_prefect.backends.kube_slice import create_services
+from kinetic_prefect.backends.kube_status import true_condition
 from kinetic_prefect.backends.kube_watch import JobWatch, TrackedJob
 from kinetic_prefect.backends.loop_thread import LoopThread
 from kinetic_prefect.kube import (
+    MANAGED_SELECTOR,
     api_error_message,
     connect,
+    pods_of_job,
     read_json,
 )
-from kinetic_prefect.manifest import LABEL_JOB_ID, LABEL_MANAGED_BY, MANAGED_BY
+from kinetic_prefect.manifest import (
+    LABEL_FLOW_RUN_ID,
+    LABEL_JOB_ID,
+    LABEL_MANAGED_BY,
+    LABEL_TASK_IDENTITY,
+    MANAGED_BY,
+)
 from kinetic_prefect.slices import hosts_of
 from kinetic_prefect.storage import open_store
 
@@ -145,6 +157,28 @@ class KubernetesBackend(JobEnding):
         except BaseException as exc:
             self._write_handle(job_id, namespace, access, created=False, error=str(exc))
             raise
+
+    def find_pods(self, flow_run_id: str, namespace: str) -> list[FoundPod]:
+        """The flow run's Jobs in `namespace` that other runners launched: one list request."""
+        self._runtime.start()
+        self._runtime.call(self._connect())
+        return list(self._runtime.call(self._find_pods(flow_run_id, namespace)))
+
+    def adopt(
+        self,
+        job_id: str,
+        namespace: str,
+        on_exit: OnExit,
+        on_pending: OnPending | None = None,
+    ) -> None:
+        """Watch a live Job another runner launched: relabel it and its pods as this runner's."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("The gke backend is closed; submit inside the flow run.")
+        self._runtime.start()
+        self._runtime.call(self._connect())
+        job = TrackedJob(job_id, namespace, {}, on_exit, on_pending)
+        self._runtime.call(self._adopt(job))
 
     def cancel(self, job_id: str) -> None:
         if not self._runtime.started:
@@ -279,6 +313,74 @@ class KubernetesBackend(JobEnding):
             return False
         labels = (found.get("metadata") or {}).get("labels") or {}
         return bool(labels.get(LABEL_JOB_ID) == job.job_id)
+
+    # -- jobs of other runners ----------------------------------------------------------
+
+    async def _find_pods(self, flow_run_id: str, namespace: str) -> list[FoundPod]:
+        listing = await read_json(
+            await self._batch.list_namespaced_job(
+                namespace,
+                label_selector=f"{MANAGED_SELECTOR},{LABEL_FLOW_RUN_ID}={flow_run_id}",
+                _preload_content=False,
+            )
+        )
+        found = []
+        for item in listing.get("items") or []:
+            meta = item.get("metadata") or {}
+            labels = meta.get("labels") or {}
+            job_id = labels.get(LABEL_JOB_ID, meta.get("name", ""))
+            if labels.get(LABEL_RUNNER) == self.runner_id or job_id in self._jobs:
+                continue
+            ended = true_condition(item, "Complete") or true_condition(item, "Failed")
+            created = meta.get("creationTimestamp") or "1970-01-01T00:00:00Z"
+            launched_at = datetime.datetime.fromisoformat(created.replace("Z", "+00:00"))
+            identity = labels.get(LABEL_TASK_IDENTITY, "")
+            found.append(FoundPod(job_id, identity, not ended, launched_at.timestamp()))
+        return sorted(found, key=lambda pod: pod.launched_at, reverse=True)
+
+    async def _adopt(self, job: TrackedJob) -> None:
+        """Relabel the Job and its pods so this backend's watch selects them, then track it.
+
+        The objects the patches return are applied once the job is tracked; what
+        changes later arrives on the watch.
+        """
+        relabel = {"metadata": {"labels": {LABEL_RUNNER: self.runner_id}}}
+        try:
+            found = await read_json(
+                await self._batch.patch_namespaced_job(
+                    job.job_id, job.namespace, relabel, _preload_content=False
+                )
+            )
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            found = None
+        pods = []
+        for pod in await pods_of_job(self._core, job.namespace, job.job_id) if found else []:
+            with contextlib.suppress(ApiException):  # a pod already gone is no loss
+                name = pod["metadata"]["name"]
+                pods.append(
+                    await read_json(
+                        await self._core.patch_namespaced_pod(
+                            name, job.namespace, relabel, _preload_content=False
+                        )
+                    )
+                )
+        job.manifest = found or {}
+        job.hosts = hosts_of(job.manifest)
+        self._jobs[job.job_id] = job
+        for stream in self._watch.streams(job.namespace, self._batch, self._core):
+            self._runtime.spawn(stream)
+        self._active += 1
+        job.counted = True
+        self._watch.note_created(job)
+        self._outcomes.start_clock(job)
+        if found is None:
+            self._conclude(job, None, None, "its Job was deleted before it could be adopted")
+            return
+        self._watch.observe("job", found)
+        for pod in pods:
+            self._watch.observe("pod", pod)
 
     async def _create_queued(self) -> None:
         while self._queued and not (self.max_parallel and self._active >= self.max_parallel):
