@@ -155,7 +155,11 @@ class Launcher:
                 if not launch.cancelled:
                     # NotReady is decided by Prefect's engine itself, before calling the
                     # task, so no pod is needed.
-                    self._run_not_ready(launch, parameters, wait_for)
+                    launch.resolve(
+                        prefect_bridge.run_not_ready(
+                            launch.task, launch.task_run, parameters, wait_for, dependencies
+                        )
+                    )
                 return
             if launch.cancelled:
                 return
@@ -174,19 +178,6 @@ class Launcher:
         except BaseException as exc:
             logger.debug("Launching %s failed", launch.job_id, exc_info=True)
             self.conclude(launch, Failed(message=f"Could not launch the pod: {exc}", data=exc))
-
-    def _run_not_ready(self, launch: TaskLaunch, parameters: dict[str, Any], wait_for: Any) -> None:
-        from prefect.task_engine import run_task_sync
-
-        state = run_task_sync(
-            task=launch.task,
-            task_run=launch.task_run,
-            parameters=parameters,
-            wait_for=wait_for,
-            dependencies=launch.dependencies,
-            return_type="state",
-        )
-        launch.resolve(state)  # type: ignore[arg-type]
 
     def ship_data(self, launch: TaskLaunch, parameters: dict[str, Any]) -> dict[str, Any]:
         """Upload local `Data` once and describe every `Data` as a `DataRef` for the pod."""

@@ -15,13 +15,12 @@ from __future__ import annotations
 import os
 import sys
 import time
-from pathlib import Path
 
 from prefect import flow, get_client, task
 from prefect.flow_engine import run_flow
 from prefect.states import Scheduled
 
-from kinetic_prefect import KineticTaskRunner, checkpoint_manager, output_dir
+from kinetic_prefect import KineticTaskRunner, checkpoint_manager
 
 
 @task
@@ -29,7 +28,6 @@ def train_slowly(steps: int) -> int:
     import jax.numpy as jnp
     import orbax.checkpoint as ocp
 
-    Path(output_dir(), f"pod-{os.getpid()}").write_text(str(time.time()))
     manager = checkpoint_manager(max_to_keep=2)
     latest = manager.latest_step()
     start = 0 if latest is None else latest + 1
