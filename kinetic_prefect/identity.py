@@ -50,3 +50,8 @@ def base_key(task_name: str, parameters: dict[str, Any]) -> str:
 def with_occurrence(key: str, index: int) -> str:
     """The key of the `index`-th submission (from 0) of identical inputs."""
     return key if index == 0 else f"{key}-{index}"
+
+
+def task_identity(flow_run_id: str, task_key: str) -> str:
+    """The task run's identity across processes, short enough for a label value (≤ 63)."""
+    return hashlib.sha256(f"{flow_run_id}/{task_key}".encode()).hexdigest()[:40]

@@ -48,6 +48,7 @@ from kinetic_prefect.packaging import (
 )
 from kinetic_prefect.pod.records import SIGNING_KEY_ENV
 from kinetic_prefect.pod_secrets import PodSecrets, split_env
+from kinetic_prefect.reattach import Reattacher, identity_labels
 from kinetic_prefect.runner_resources import RunnerResources
 from kinetic_prefect.shipping import ship_parameters
 from kinetic_prefect.slices import build_workload
@@ -128,6 +129,7 @@ class Launcher:
 
     def __init__(self, resources: RunnerResources) -> None:
         self.resources = resources
+        self.reattach = Reattacher(resources)
 
     # -- before the pod ---------------------------------------------------------
 
@@ -153,7 +155,11 @@ class Launcher:
                 if not launch.cancelled:
                     # NotReady is decided by Prefect's engine itself, before calling the
                     # task, so no pod is needed.
-                    self._run_not_ready(launch, parameters, wait_for)
+                    launch.resolve(
+                        prefect_bridge.run_not_ready(
+                            launch.task, launch.task_run, parameters, wait_for, dependencies
+                        )
+                    )
                 return
             if launch.cancelled:
                 return
@@ -164,24 +170,14 @@ class Launcher:
                 return
             if launch.cancelled:
                 return
+            # A pod an earlier flow process launched for this task is taken over, not doubled.
+            attached = self.reattach.attach(self, launch)
             prefect_bridge.record_output_location(launch.task_run, self._location_rows(launch))
-            self.launch_attempt(launch)
+            if not attached:
+                self.launch_attempt(launch)
         except BaseException as exc:
             logger.debug("Launching %s failed", launch.job_id, exc_info=True)
             self.conclude(launch, Failed(message=f"Could not launch the pod: {exc}", data=exc))
-
-    def _run_not_ready(self, launch: TaskLaunch, parameters: dict[str, Any], wait_for: Any) -> None:
-        from prefect.task_engine import run_task_sync
-
-        state = run_task_sync(
-            task=launch.task,
-            task_run=launch.task_run,
-            parameters=parameters,
-            wait_for=wait_for,
-            dependencies=launch.dependencies,
-            return_type="state",
-        )
-        launch.resolve(state)  # type: ignore[arg-type]
 
     def ship_data(self, launch: TaskLaunch, parameters: dict[str, Any]) -> dict[str, Any]:
         """Upload local `Data` once and describe every `Data` as a `DataRef` for the pod."""
@@ -241,7 +237,7 @@ class Launcher:
             {
                 **prefect_bridge.secret_values(),
                 **user_secrets,
-                SIGNING_KEY_ENV: self.resources.signing_key,
+                SIGNING_KEY_ENV: self.resources.signing_key(launch),
             }
         )
         env = {
@@ -272,6 +268,7 @@ class Launcher:
             ttl_seconds_after_finished=settings.ttl_seconds_after_finished,
             service_account=settings.service_account,
             data_volumes=launch.data_volumes,
+            extra_labels=identity_labels(launch),
         )
         workload = build_workload(spec)
         launch.manifest = workload.job
@@ -308,7 +305,9 @@ class Launcher:
             return
         assert launch.store is not None
         try:
-            end = read_attempt_end(launch.store, launch.job_id, outcome, self.resources.signing_key)
+            end = read_attempt_end(
+                launch.store, launch.job_id, outcome, self.resources.signing_key(launch)
+            )
         except Exception as exc:
             logger.exception("Reading the final state of %s failed", launch.job_id)
             self.conclude(
@@ -334,16 +333,16 @@ class Launcher:
                 f"Preempted: {end.state.message} (preemption {launch.preemptions} of "
                 f"{launch.settings.preemption_retries}; the task's retries are untouched)"
             )
-            self._schedule_relaunch(launch, note, delay=0.0)
+            self.schedule_relaunch(launch, note, delay=0.0)
         elif launch.retries_left > 0 and not isinstance(
             exception_or_none(end.state), (PodPhaseError, PodStartError)
         ):
             delay = prefect_bridge.retry_delay(launch.task, launch.runs_used)
-            self._schedule_relaunch(launch, f"Retrying after a crash: {end.state.message}", delay)
+            self.schedule_relaunch(launch, f"Retrying after a crash: {end.state.message}", delay)
         else:
             self.conclude(launch, end.state)
 
-    def _schedule_relaunch(self, launch: TaskLaunch, note: str, delay: float) -> None:
+    def schedule_relaunch(self, launch: TaskLaunch, note: str, delay: float) -> None:
         """Record AwaitingRetry with the reason; wait out the delay without a pod."""
         prefect_bridge.report_state(launch.task_run, prefect_bridge.awaiting_retry(delay, note))
         launch.job_ids.append(make_job_id(launch.task.name))

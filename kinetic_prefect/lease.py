@@ -1,10 +1,13 @@
-"""The runner's lease: proof, renewed while the flow runs, that someone still owns its pods.
+"""A flow run's lease: proof, renewed while the flow runs, that someone still owns its pods.
 
-Each runner writes `leases/{flow_run_id}/{runner_id}.json` in the jobs store
-every `orphan_timeout_seconds / 4` and deletes it when it closes. Its pods
-read it (`kinetic_prefect.pod.watchdog`): a lease older than the timeout means
-the flow process is gone (killed, laptop asleep, CI runner lost), and the pod
-ends itself instead of writing checkpoints nobody will collect.
+The runner that runs a flow run writes `leases/{flow_run_id}.json` in the jobs
+store every `orphan_timeout_seconds / 4` and deletes it when it closes. The
+key names the flow run only, so a flow process restarted for the same flow run
+(or a Prefect retry of it) renews the very lease its predecessor's pods read,
+and those pods live on to be reattached. Pods read it
+(`kinetic_prefect.pod.watchdog`): a lease older than the timeout means the flow
+process is gone (killed, laptop asleep, CI runner lost), and the pod ends itself
+instead of writing checkpoints nobody will collect.
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ from kinetic_prefect.storage import ArtifactStore
 logger = get_logger("kinetic_prefect.lease")
 
 
-def lease_key(flow_run_id: str, runner_id: str) -> str:
-    return f"leases/{flow_run_id}/{runner_id}.json"
+def lease_key(flow_run_id: str) -> str:
+    return f"leases/{flow_run_id}.json"
 
 
 class Lease:

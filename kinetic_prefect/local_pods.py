@@ -2,9 +2,10 @@
 
 A local pod has no API object, so the backend keeps one small JSON record per
 pod next to its log, `{pods}/{job_id}.json`: the Job's labels, when it was
-launched, the process id once it runs and its exit code once it has ended.
-`kinetic-prefect jobs logs -f` and `jobs attach` read them to find a task run's
-pod and to know when a log is complete.
+launched, the process id and start time once it runs, and its exit code and
+end time once it has ended. `kinetic-prefect jobs logs -f` and `jobs attach`
+read them to find a task run's pod and to know when a log is complete; a
+restarted flow process reads them to find its flow run's pods that still run.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -83,19 +85,27 @@ class LocalPod:
         """Ended, or its process is no longer there (its runner died before recording the end)."""
         if self.ended:
             return True
-        if self.pid is None:
+        return self.pid is not None and not self.alive()
+
+    def alive(self) -> bool:
+        """Its process runs (not ended, not a zombie left by a runner that died, pid not reused)."""
+        if self.ended or self.pid is None:
             return False
         try:
-            os.kill(self.pid, 0)
+            pidfd = os.pidfd_open(self.pid)
         except ProcessLookupError:
-            return True
-        except PermissionError:
             return False
-        with contextlib.suppress(OSError):
-            # A reused pid belongs to another process: this pod is gone.
-            environ = Path("/proc", str(self.pid), "environ").read_bytes().split(b"\0")
-            return f"KINETIC_JOB_ID={self.job_id}".encode() not in environ
-        return False
+        try:
+            # A pidfd is readable once the process has exited, even while it is a zombie.
+            if select.select([pidfd], [], [], 0)[0]:
+                return False
+            with contextlib.suppress(OSError):
+                # A reused pid belongs to another process: this pod is gone.
+                environ = Path("/proc", str(self.pid), "environ").read_bytes().split(b"\0")
+                return f"KINETIC_JOB_ID={self.job_id}".encode() in environ
+            return True
+        finally:
+            os.close(pidfd)
 
 
 def read_pod(pods: Path, job_id: str) -> LocalPod | None:

@@ -19,6 +19,8 @@ LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_JOB_ID = "kinetic-prefect.io/job-id"
 LABEL_TASK_RUN_ID = "kinetic-prefect.io/task-run-id"
 LABEL_FLOW_RUN_ID = "kinetic-prefect.io/flow-run-id"
+# A digest of the flow run id and the task key (`identity.task_identity`): one live pod at most.
+LABEL_TASK_IDENTITY = "kinetic-prefect.io/task-identity"
 ANNOTATION_ACCELERATOR = "kinetic-prefect.io/accelerator"
 ANNOTATION_TASK_NAME = "kinetic-prefect.io/task-name"
 ANNOTATION_OUTPUT_DIR = "kinetic-prefect.io/output-dir"

@@ -109,6 +109,27 @@ def report_state(task_run: TaskRun, state: State[Any]) -> State[Any]:
     return state
 
 
+def run_not_ready(
+    task: Any,
+    task_run: TaskRun,
+    parameters: dict[str, Any],
+    wait_for: Any,
+    dependencies: dict[str, set[Any]] | None,
+) -> State[Any]:
+    """Let Prefect's engine decide NotReady for unfinished upstreams (it never calls the task)."""
+    from prefect.task_engine import run_task_sync
+
+    state = run_task_sync(
+        task=task,
+        task_run=task_run,
+        parameters=parameters,
+        wait_for=wait_for,
+        dependencies=dependencies,
+        return_type="state",
+    )
+    return state  # type: ignore[return-value]
+
+
 def cached_state(task: Any, task_run: TaskRun, parameters: Mapping[str, Any]) -> State[Any] | None:
     """A `Cached` state when the task's cache policy hits a committed record, else None.
 

@@ -9,12 +9,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from secrets import token_hex
 from typing import TYPE_CHECKING, Any
 
 from prefect.logging import get_logger
 
-from kinetic_prefect import data_upload
+from kinetic_prefect import data_upload, record_key
 from kinetic_prefect.backends import create_backend
 from kinetic_prefect.backends.base import Backend
 from kinetic_prefect.config import LaunchSettings
@@ -39,11 +38,9 @@ class RunnerResources:
         self._backends: dict[tuple[str, str], Backend] = {}
         self._context_zips: dict[tuple[Path, tuple[str, ...]], Artifact] = {}
         self._archive_lock = threading.Lock()
-        self._runner_id = token_hex(6)
         self._leases: dict[tuple[str, str], Lease] = {}
         self.data_hashes = data_upload.LocalDataHashes()
-        # Signs the pods' final-state records; reaches pods only through their Secret.
-        self.signing_key = token_hex(32)
+        self._master_key: str | None = None
 
     def backend_for(self, settings: LaunchSettings, jobs_root: str) -> Backend:
         key = (settings.backend, jobs_root)
@@ -73,14 +70,26 @@ class RunnerResources:
                 self._context_zips[(root, excludes)] = cached
         return cached
 
+    def signing_key(self, launch: TaskLaunch) -> str:
+        """The key of the flow run's final-state records; reaches pods only through their Secret.
+
+        Derived from the persistent master key (`kinetic_prefect.record_key`), so a
+        restarted flow process verifies the records of pods launched before it.
+        """
+        with self._lock:
+            if self._master_key is None:
+                self._master_key = record_key.master_key()
+            master = self._master_key
+        return record_key.flow_run_key(master, str(launch.task_run.flow_run_id or "no-flow-run"))
+
     def lease_env(self, launch: TaskLaunch, store: ArtifactStore) -> dict[str, str]:
-        """What a pod needs to tell whether its runner still owns it."""
+        """What a pod needs to tell whether its flow run still has an owner (renewing it)."""
         flow_run_id = str(launch.task_run.flow_run_id or "no-flow-run")
         timeout = launch.settings.orphan_timeout_seconds
         with self._lock:
             lease = self._leases.get((store.uri(""), flow_run_id))
             if lease is None:
-                lease = Lease(store, lease_key(flow_run_id, self._runner_id), timeout)
+                lease = Lease(store, lease_key(flow_run_id), timeout)
                 self._leases[(store.uri(""), flow_run_id)] = lease
         env = {LEASE_URI_ENV: lease.uri, ORPHAN_TIMEOUT_ENV: str(timeout)}
         if launch.task_run.flow_run_id:

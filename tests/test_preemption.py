@@ -4,19 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 from prefect import flow, get_client, task
 from prefect.runtime import task_run
-from prefect.settings import get_current_settings
 
 from kinetic_prefect import KineticTaskRunner
 from kinetic_prefect.checkpoint import checkpoint_manager
-from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
 
@@ -129,46 +123,3 @@ def test_on_gke_pods_preempted_twice_by_the_node_use_no_retries_and_fall_back_to
         for job in cluster.created_jobs()
     ]
     assert spot == ["true", "true", None]
-
-
-def _pods_alive(output: Path) -> list[int]:
-    from tests.test_task_runner import _alive
-
-    return [pid for pid in (int(p.name[4:]) for p in output.glob("pod-*")) if _alive(pid)]
-
-
-def _orchestrator(*args: str, cluster: str = "") -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "tests.scripts.orphaned_training", *args],
-        cwd=Path.cwd(),
-        env={
-            **os.environ,
-            "PYTHONPATH": str(Path(__file__).parent.parent),
-            "ORPHANED_TRAINING_CLUSTER": cluster,
-            "PREFECT_API_URL": str(get_current_settings().api.url),
-        },
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-
-
-def test_a_killed_orchestrators_pods_end_by_themselves_and_a_rerun_resumes_from_the_checkpoint(
-    workdir: Path,
-):
-    first = _orchestrator("new")
-    flow_run_id = first.stdout.readline().split()[-1]  # type: ignore[union-attr]
-    outputs = workdir / ".kinetic" / "outputs" / flow_run_id
-    checkpoints = lambda: list(outputs.glob("*/checkpoints/[0-9]*"))  # noqa: E731
-    wait_until(lambda: len(checkpoints()) >= 2, 120, "the first pod to save checkpoints")
-    (pod,) = _pods_alive(next(outputs.iterdir()))
-
-    first.send_signal(signal.SIGKILL)
-    first.wait()
-    killed = time.monotonic()
-    wait_until(lambda: not _pods_alive(next(outputs.iterdir())), 60, "the orphaned pod to end")
-
-    assert time.monotonic() - killed < 4 + 15
-    second = _orchestrator("again", flow_run_id)
-    lines, _ = second.communicate(timeout=240)
-    assert int(lines.split()[-1]) >= 2
-    assert len(list(next(outputs.iterdir()).glob("pod-*"))) == 2

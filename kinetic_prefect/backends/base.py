@@ -41,6 +41,18 @@ class PodExit:
         return f"the pod exited with code {self.exit_code}"
 
 
+@dataclass(frozen=True)
+class FoundPod:
+    """A pod of a flow run that a backend found, whichever process launched it."""
+
+    job_id: str
+    # The `kinetic-prefect.io/task-identity` label ("" on pods launched without one).
+    identity: str
+    # Its end is still to come: pending, running, or ending (e.g. in its SIGTERM grace).
+    live: bool
+    launched_at: float
+
+
 OnExit = Callable[[PodExit], None]
 # Called with a human-readable reason while a pod waits to start (or None once it runs).
 OnPending = Callable[[str], None]
@@ -63,6 +75,24 @@ class Backend(Protocol):
 
         `extra_objects` (a multi-host slice's headless Service) live as long as the Job;
         a backend without a cluster ignores them.
+        """
+        ...
+
+    def find_pods(self, flow_run_id: str, namespace: str) -> list[FoundPod]:
+        """The pods of flow run `flow_run_id` that other processes launched, newest first."""
+        ...
+
+    def adopt(
+        self,
+        job_id: str,
+        namespace: str,
+        on_exit: OnExit,
+        on_pending: OnPending | None = None,
+    ) -> None:
+        """Watch a live pod another process launched; call `on_exit` once when it has ended.
+
+        From then on it is this backend's, as if launched here: `cancel`, `close`
+        and `max_parallel` treat it alike.
         """
         ...
 

@@ -97,6 +97,10 @@ class JobWatch:
         job.created = True
         job.created_seq = self._create_seq
 
+    def observe(self, kind: str, obj: dict[str, Any]) -> None:
+        """Apply a Job or pod read outside the streams (an adopted job's) as its latest state."""
+        self._on_event(kind, "MODIFIED", obj)
+
     def streams(self, namespace: str, batch: Any, core: Any) -> list[Coroutine[Any, Any, None]]:
         """The Job and pod streams of `namespace` the first time it is asked for, then none."""
         if namespace in self._namespaces:

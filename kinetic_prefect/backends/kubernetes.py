@@ -1,9 +1,9 @@
 """The gke backend: each pod is a Kubernetes Job, created and watched with kubernetes-asyncio.
 
 Owns `KubernetesBackend`: its synchronous API (launch, cancel, logs, close), the
-event loop thread every API call runs on, the `handle.json` written before each
-Job, the Secret the manifests' secretKeyRefs name, creating Jobs within
-`max_parallel`, deleting them, and reporting how each job ended. What is known of
+event loop thread every API call runs on, creating Jobs within `max_parallel`
+(with their `kube_handle` and `kube_secrets`), deleting them, and reporting how
+each job ended. What is known of
 each job comes from `kube_watch.JobWatch`; when and how it ended is decided by
 `kube_outcomes.OutcomeTracker`; both read Job and pod objects through
 `kube_status`.
@@ -18,12 +18,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import copy
 import datetime
-import json
 import secrets as token_source
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,36 +30,39 @@ from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 from prefect.logging import get_logger
 
-from kinetic_prefect.backends.base import OnExit, OnPending, PodExit, Secrets
+from kinetic_prefect.backends.base import FoundPod, OnExit, OnPending, Secrets
+from kinetic_prefect.backends.kube_ending import JobEnding
+from kinetic_prefect.backends.kube_handle import write_handle
 from kinetic_prefect.backends.kube_outcomes import SETTLE_MARGIN_SECONDS, OutcomeTracker
-from kinetic_prefect.backends.kube_slice import create_services, delete_services
-from kinetic_prefect.backends.kube_status import failed_create_reason, infrastructure_took
+from kinetic_prefect.backends.kube_secrets import JobSecrets
+from kinetic_prefect.backends.kube_slice import create_services
+from kinetic_prefect.backends.kube_status import true_condition
 from kinetic_prefect.backends.kube_watch import JobWatch, TrackedJob
 from kinetic_prefect.backends.loop_thread import LoopThread
 from kinetic_prefect.kube import (
+    MANAGED_SELECTOR,
     api_error_message,
     connect,
-    delete_job,
-    delete_secret,
-    job_events,
-    pod_log,
     pods_of_job,
-    put_secret,
     read_json,
 )
-from kinetic_prefect.manifest import LABEL_JOB_ID, LABEL_MANAGED_BY, MANAGED_BY
-from kinetic_prefect.slices import host_index, hosts_of
+from kinetic_prefect.manifest import (
+    LABEL_FLOW_RUN_ID,
+    LABEL_JOB_ID,
+    LABEL_MANAGED_BY,
+    LABEL_TASK_IDENTITY,
+    MANAGED_BY,
+)
+from kinetic_prefect.slices import hosts_of
 from kinetic_prefect.storage import open_store
 
 logger = get_logger("kinetic_prefect.backends.kubernetes")
 
 # Which backend instance (runner) owns a Job: its watch selects on this label only.
 LABEL_RUNNER = "kinetic-prefect.io/runner"
-HANDLE_FILE = "handle.json"
-LOG_TAIL_LINES = 20
 
 
-class KubernetesBackend:
+class KubernetesBackend(JobEnding):
     """Runs pods as Kubernetes Jobs on the cluster a `KineticCluster` (or kubeconfig) names.
 
     Example:
@@ -101,8 +103,7 @@ class KubernetesBackend:
         self._jobs: dict[str, TrackedJob] = {}
         self._queued: collections.deque[TrackedJob] = collections.deque()
         self._active = 0
-        self._secrets_created: set[tuple[str, str]] = set()
-        self._secret_lock: asyncio.Lock | None = None
+        self._secrets = JobSecrets()
         self._connect_lock: asyncio.Lock | None = None
         self._outcomes = OutcomeTracker(
             self._jobs,
@@ -157,6 +158,28 @@ class KubernetesBackend:
             self._write_handle(job_id, namespace, access, created=False, error=str(exc))
             raise
 
+    def find_pods(self, flow_run_id: str, namespace: str) -> list[FoundPod]:
+        """The flow run's Jobs in `namespace` that other runners launched: one list request."""
+        self._runtime.start()
+        self._runtime.call(self._connect())
+        return list(self._runtime.call(self._find_pods(flow_run_id, namespace)))
+
+    def adopt(
+        self,
+        job_id: str,
+        namespace: str,
+        on_exit: OnExit,
+        on_pending: OnPending | None = None,
+    ) -> None:
+        """Watch a live Job another runner launched: relabel it and its pods as this runner's."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("The gke backend is closed; submit inside the flow run.")
+        self._runtime.start()
+        self._runtime.call(self._connect())
+        job = TrackedJob(job_id, namespace, {}, on_exit, on_pending)
+        self._runtime.call(self._adopt(job))
+
     def cancel(self, job_id: str) -> None:
         if not self._runtime.started:
             return
@@ -191,7 +214,6 @@ class KubernetesBackend:
                 access = await connect(self.cluster, self.kube_context)
                 self._batch = client.BatchV1Api(access.client)
                 self._core = client.CoreV1Api(access.client)
-                self._secret_lock = asyncio.Lock()
                 self._access = access
                 self._runtime.spawn(access.keep_token_fresh())
                 self._runtime.spawn(self._outcomes.run())
@@ -220,37 +242,14 @@ class KubernetesBackend:
     # -- launching --------------------------------------------------------------------
 
     def _write_handle(
-        self,
-        job_id: str,
-        namespace: str,
-        access: Any,
-        created: bool | None,
-        error: str | None = None,
+        self, job_id: str, namespace: str, access: Any, created: bool | None, error: str = ""
     ) -> None:
-        cluster = self.cluster
-        handle: dict[str, Any] = {
-            "backend": "gke",
-            "job_name": job_id,
-            "namespace": namespace,
-            "runner": self.runner_id,
-            "cluster": {
-                "name": getattr(cluster, "cluster_name", None),
-                "project": getattr(cluster, "project", None),
-                "location": getattr(cluster, "zone", None) or getattr(cluster, "region", None),
-                "api_server": access.server,
-                "context": access.context,
-            },
-            "written_at": datetime.datetime.now(datetime.UTC).isoformat(),
-        }
-        if created is False:
-            handle["created"] = False
-            handle["error"] = error
-        self._store.put_bytes(
-            f"kinetic/{job_id}/{HANDLE_FILE}", json.dumps(handle, indent=2).encode()
+        write_handle(
+            self._store, self.cluster, self.runner_id, job_id, namespace, access, created, error
         )
 
     async def _launch(self, job: TrackedJob, secrets: Secrets) -> None:
-        await self._ensure_secrets(job.namespace, secrets)
+        await self._secrets.ensure(self._core, job.namespace, secrets)
         for stream in self._watch.streams(job.namespace, self._batch, self._core):
             self._runtime.spawn(stream)
         self._jobs[job.job_id] = job
@@ -315,6 +314,74 @@ class KubernetesBackend:
         labels = (found.get("metadata") or {}).get("labels") or {}
         return bool(labels.get(LABEL_JOB_ID) == job.job_id)
 
+    # -- jobs of other runners ----------------------------------------------------------
+
+    async def _find_pods(self, flow_run_id: str, namespace: str) -> list[FoundPod]:
+        listing = await read_json(
+            await self._batch.list_namespaced_job(
+                namespace,
+                label_selector=f"{MANAGED_SELECTOR},{LABEL_FLOW_RUN_ID}={flow_run_id}",
+                _preload_content=False,
+            )
+        )
+        found = []
+        for item in listing.get("items") or []:
+            meta = item.get("metadata") or {}
+            labels = meta.get("labels") or {}
+            job_id = labels.get(LABEL_JOB_ID, meta.get("name", ""))
+            if labels.get(LABEL_RUNNER) == self.runner_id or job_id in self._jobs:
+                continue
+            ended = true_condition(item, "Complete") or true_condition(item, "Failed")
+            created = meta.get("creationTimestamp") or "1970-01-01T00:00:00Z"
+            launched_at = datetime.datetime.fromisoformat(created.replace("Z", "+00:00"))
+            identity = labels.get(LABEL_TASK_IDENTITY, "")
+            found.append(FoundPod(job_id, identity, not ended, launched_at.timestamp()))
+        return sorted(found, key=lambda pod: pod.launched_at, reverse=True)
+
+    async def _adopt(self, job: TrackedJob) -> None:
+        """Relabel the Job and its pods so this backend's watch selects them, then track it.
+
+        The objects the patches return are applied once the job is tracked; what
+        changes later arrives on the watch.
+        """
+        relabel = {"metadata": {"labels": {LABEL_RUNNER: self.runner_id}}}
+        try:
+            found = await read_json(
+                await self._batch.patch_namespaced_job(
+                    job.job_id, job.namespace, relabel, _preload_content=False
+                )
+            )
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            found = None
+        pods = []
+        for pod in await pods_of_job(self._core, job.namespace, job.job_id) if found else []:
+            with contextlib.suppress(ApiException):  # a pod already gone is no loss
+                name = pod["metadata"]["name"]
+                pods.append(
+                    await read_json(
+                        await self._core.patch_namespaced_pod(
+                            name, job.namespace, relabel, _preload_content=False
+                        )
+                    )
+                )
+        job.manifest = found or {}
+        job.hosts = hosts_of(job.manifest)
+        self._jobs[job.job_id] = job
+        for stream in self._watch.streams(job.namespace, self._batch, self._core):
+            self._runtime.spawn(stream)
+        self._active += 1
+        job.counted = True
+        self._watch.note_created(job)
+        self._outcomes.start_clock(job)
+        if found is None:
+            self._conclude(job, None, None, "its Job was deleted before it could be adopted")
+            return
+        self._watch.observe("job", found)
+        for pod in pods:
+            self._watch.observe("pod", pod)
+
     async def _create_queued(self) -> None:
         while self._queued and not (self.max_parallel and self._active >= self.max_parallel):
             job = self._queued.popleft()
@@ -324,162 +391,3 @@ class KubernetesBackend:
                 await self._create(job)
             except Exception as exc:
                 self._conclude(job, None, None, "", start_failure=str(exc))
-
-    async def _ensure_secrets(self, namespace: str, secrets: Secrets) -> None:
-        """Create the Secrets the secretKeyRefs name, once each (names are content digests)."""
-        assert self._secret_lock is not None
-        async with self._secret_lock:
-            for name, values in secrets.items():
-                if (namespace, name) in self._secrets_created:
-                    continue
-                await put_secret(self._core, namespace, name, values)
-                self._secrets_created.add((namespace, name))
-
-    async def _delete_secrets(self) -> None:
-        # Secrets go with the runner's Jobs: every Job of this backend has ended by now.
-        for namespace, name in sorted(self._secrets_created):
-            try:
-                await delete_secret(self._core, namespace, name)
-            except Exception:
-                logger.warning("Could not delete Secret %s/%s", namespace, name, exc_info=True)
-        self._secrets_created.clear()
-
-    # -- cancelling, logs, closing ------------------------------------------------------
-
-    async def _cancel(self, job_id: str) -> None:
-        job = self._jobs.get(job_id)
-        if job is None or job.done or job.cancelled:
-            return
-        job.cancelled = True
-        if not job.created:
-            self._conclude(job, None, None, "")
-            return
-        await self._delete_job(job)
-        self._outcomes.settle_after_cancel(job)
-
-    async def _delete_job(self, job: TrackedJob) -> None:
-        try:
-            existed = await delete_job(self._access, job.namespace, job.job_id)
-        except ApiException as exc:
-            logger.warning("Could not delete Job %s: %s", job.job_id, api_error_message(exc))
-            return
-        if not existed:
-            job.job_gone = True
-
-    async def _delete_services(self, job: TrackedJob) -> None:
-        try:
-            await delete_services(self._core, job.namespace, job.extra_objects)
-        except Exception:
-            logger.warning("Could not delete the Service of %s", job.job_id, exc_info=True)
-
-    async def _logs(self, job_id: str, tail: int | None) -> str:
-        job = self._jobs.get(job_id)
-        namespace = job.namespace if job else "default"
-        pod: str | None = job.pod_name if job else None
-        try:
-            if pod is None:
-                pods = await pods_of_job(self._core, namespace, job_id)
-                if not pods:
-                    return ""
-                pod = min(pods, key=host_index)["metadata"]["name"]
-            return await pod_log(self._core, namespace, pod, tail)
-        except Exception as exc:
-            logger.debug("No log for %s: %s", job_id, exc)
-            return ""
-
-    async def _drain(self, timeout: float) -> None:
-        for job in list(self._jobs.values()):
-            if not job.done:
-                await self._cancel(job.job_id)
-        deadline = time.monotonic() + timeout
-        # Exits arrive through the watch; a short poll keeps this independent of it.
-        while any(not j.done for j in self._jobs.values()) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        for job in list(self._jobs.values()):
-            if not job.done:
-                self._conclude(job, None, None, "the pod did not end within the cancel grace")
-        finishing = [t for t in self._runtime.tasks if t.get_name().startswith("kinetic-finish")]
-        await asyncio.gather(*finishing, return_exceptions=True)
-        await self._delete_secrets()
-
-    def _conclude(
-        self,
-        job: TrackedJob,
-        exit_code: int | None,
-        signal: int | None,
-        reason: str,
-        start_failure: str | None = None,
-    ) -> None:
-        """Mark the job done now; fetch its log tail and report it without blocking the loop."""
-        if job.done:
-            return
-        job.done = True
-        if job.extra_objects:
-            self._runtime.spawn(self._delete_services(job), name=f"kinetic-finish-svc-{job.job_id}")
-        if job.counted:
-            job.counted = False
-            self._active -= 1
-            if self._queued:
-                self._runtime.spawn(self._create_queued())
-        wants_log = (
-            start_failure is None
-            and not job.cancelled
-            and exit_code != 0
-            and job.pod_name is not None
-            and not job.pod_gone
-        )
-
-        async def report() -> None:
-            log_tail = ""
-            if wants_log:
-                log_tail = await self._logs(job.job_id, LOG_TAIL_LINES)
-            outcome = PodExit(
-                job_id=job.job_id,
-                exit_code=exit_code,
-                signal=signal,
-                reason=reason,
-                cancelled=job.cancelled and start_failure is None,
-                log_tail=log_tail,
-                start_failure=start_failure,
-                preempted=not job.cancelled and infrastructure_took(job.pod),
-            )
-            self._dispatch(job, job.on_exit, outcome)
-
-        self._runtime.spawn(report(), name=f"kinetic-finish-{job.job_id}")
-
-    # -- what the outcome tracker asks for ---------------------------------------------
-
-    def _report_pending(self, job: TrackedJob, reason: str) -> None:
-        if reason != job.pending_reason:
-            job.pending_reason = reason
-            if job.on_pending is not None and not job.cancelled:
-                self._dispatch(job, job.on_pending, reason)
-
-    def _start_failing(self, job: TrackedJob, reason: str | None = None) -> None:
-        """Give up on a job whose pod cannot start (or cannot be watched): delete its Job."""
-        job.failing_to_start = True
-        self._runtime.spawn(self._fail_to_start(job, reason))
-
-    async def _fail_to_start(self, job: TrackedJob, reason: str | None = None) -> None:
-        if reason is None:
-            if job.pod is None:
-                await self._probe_events(job)
-            waited = time.monotonic() - job.created_at
-            reason = (job.pending_reason or "the pod did not start") + (
-                f" (pending for {waited:.0f}s, longer than "
-                f"pending_timeout_seconds={self.pending_timeout_seconds:g}; the Job was deleted)"
-            )
-        await self._delete_job(job)
-        self._conclude(job, None, None, "", start_failure=reason)
-
-    async def _probe_events(self, job: TrackedJob) -> None:
-        """Look for FailedCreate events on a Job that has no pod (quota, admission, RBAC)."""
-        try:
-            events = await job_events(self._core, job.namespace, job.job_id)
-        except Exception as exc:
-            logger.debug("Could not read the events of %s: %s", job.job_id, exc)
-            return
-        reason = failed_create_reason(events)
-        if reason is None or job.done:
-            return
-        self._report_pending(job, reason)

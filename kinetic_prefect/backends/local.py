@@ -27,10 +27,15 @@ from typing import Any
 
 from prefect.logging import get_logger
 
-from kinetic_prefect.backends.base import OnExit, OnPending, PodExit, Secrets
+from kinetic_prefect.backends.base import FoundPod, OnExit, OnPending, PodExit, Secrets
 from kinetic_prefect.data import MOUNT_ROOT_ENV, materialise_fuse_volume
-from kinetic_prefect.local_pods import record_launch, record_update
-from kinetic_prefect.manifest import GCSFUSE_DRIVER, container_of
+from kinetic_prefect.local_pods import pods_labelled, read_pod, record_launch, record_update
+from kinetic_prefect.manifest import (
+    GCSFUSE_DRIVER,
+    LABEL_FLOW_RUN_ID,
+    LABEL_TASK_IDENTITY,
+    container_of,
+)
 from kinetic_prefect.slices import (
     COMPLETION_INDEX_ANNOTATION,
     free_port,
@@ -73,6 +78,18 @@ class _Pod:
     deadline_exceeded: bool = False
     launched_at: float = field(default_factory=time.monotonic)
     started_at: float = 0.0
+
+
+@dataclass
+class _Adopted:
+    """A pod another process launched, watched here until it ends (not this process's child)."""
+
+    job_id: str
+    pid: int
+    pidfd: int
+    on_exit: OnExit
+    cancelled: bool = False
+    kill_at: float | None = None
 
 
 def container_env(
@@ -137,6 +154,7 @@ class LocalBackend:
         self._queued: collections.deque[_Pod] = collections.deque()
         self._running: dict[str, _Pod] = {}
         self._known: dict[str, _Pod] = {}
+        self._adopted: dict[str, _Adopted] = {}
         self._wake_r, self._wake_w = os.pipe()
         self._watcher: threading.Thread | None = None
         self._closed = False
@@ -170,7 +188,68 @@ class LocalBackend:
             self._ensure_watcher()
         self._wake()
 
+    def find_pods(self, flow_run_id: str, namespace: str = "") -> list[FoundPod]:
+        """The recorded pods of the flow run that this backend did not launch, newest first."""
+        return [
+            FoundPod(p.job_id, p.labels.get(LABEL_TASK_IDENTITY, ""), p.alive(), p.launched_at)
+            for p in pods_labelled(self.workspace, LABEL_FLOW_RUN_ID, flow_run_id)
+            if p.job_id not in self._known and p.job_id not in self._adopted
+        ]
+
+    def adopt(
+        self,
+        job_id: str,
+        namespace: str,
+        on_exit: OnExit,
+        on_pending: OnPending | None = None,
+    ) -> None:
+        """Watch the pod another process launched through its pidfd, until it ends."""
+        record = read_pod(self.workspace, job_id)
+        pidfd = None
+        if record is not None and record.alive() and record.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                pidfd = os.pidfd_open(record.pid)
+        if record is None or record.pid is None or pidfd is None:
+            self._finish_adopted(_Adopted(job_id, 0, -1, on_exit))
+            return
+        with self._lock:
+            if self._closed:
+                os.close(pidfd)
+                raise RuntimeError("The local backend is closed; submit inside the flow run.")
+            self._adopted[job_id] = _Adopted(job_id, record.pid, pidfd, on_exit)
+            self._ensure_watcher()
+        self._wake()
+
+    def _finish_adopted(self, pod: _Adopted) -> None:
+        with self._lock:
+            self._adopted.pop(pod.job_id, None)
+        if pod.pidfd >= 0:
+            os.close(pod.pidfd)
+            # What the task left behind in the pod's process group goes with it.
+            _signal_group(pod.pid, signal.SIGKILL)
+        record_update(self.workspace, pod.job_id, ended=True, ended_at=time.time())
+        outcome = PodExit(
+            job_id=pod.job_id,
+            exit_code=None,
+            reason="it was launched by an earlier flow process, so its exit code is unknown",
+            cancelled=pod.cancelled,
+            log_tail=self.logs(pod.job_id, tail=20),
+        )
+        try:
+            pod.on_exit(outcome)
+        except Exception:
+            logger.exception("Handling the exit of pod %s failed", pod.job_id)
+
     def cancel(self, job_id: str) -> None:
+        with self._lock:
+            adopted = self._adopted.get(job_id)
+            if adopted is not None and not adopted.cancelled:
+                adopted.cancelled = True
+                _signal_group(adopted.pid, signal.SIGTERM)
+                adopted.kill_at = time.monotonic() + self.cancel_grace_seconds
+        if adopted is not None:
+            self._wake()
+            return
         with self._lock:
             pod = self._known.get(job_id)
             if pod is None or pod.cancelled:
@@ -214,7 +293,7 @@ class LocalBackend:
 
     def running(self) -> list[str]:
         with self._lock:
-            return [*self._running, *(p.job_id for p in self._queued)]
+            return [*self._running, *(p.job_id for p in self._queued), *self._adopted]
 
     def close(self) -> None:
         """Cancel every pod still queued or running and wait until all have exited."""
@@ -247,7 +326,8 @@ class LocalBackend:
     def _start_queued(self) -> None:
         while True:
             with self._lock:
-                if not self._queued or len(self._running) >= self.max_parallel:
+                busy = len(self._running) + len(self._adopted)
+                if not self._queued or busy >= self.max_parallel:
                     return
                 pod = self._queued.popleft()
                 self._running[pod.job_id] = pod
@@ -277,7 +357,9 @@ class LocalBackend:
                     host.pidfd = None
             raise
         pod.started_at = time.monotonic()
-        record_update(self.workspace, pod.job_id, pid=pod.hosts[0].process.pid)
+        record_update(
+            self.workspace, pod.job_id, pid=pod.hosts[0].process.pid, started_at=time.time()
+        )
         deadline = pod.manifest["spec"].get("activeDeadlineSeconds")
         if deadline:
             pod.deadline = time.monotonic() + float(deadline)
@@ -317,6 +399,7 @@ class LocalBackend:
             moments = [
                 m for p in self._running.values() for m in (p.deadline, p.kill_at) if m is not None
             ]
+            moments += [a.kill_at for a in self._adopted.values() if a.kill_at is not None]
         if not moments:
             return None
         return max(0.0, min(moments) - time.monotonic())
@@ -325,7 +408,7 @@ class LocalBackend:
         while True:
             self._start_queued()
             with self._lock:
-                if self._closed and not self._running and not self._queued:
+                if self._closed and not self._running and not self._queued and not self._adopted:
                     return
                 by_fd = {
                     h.pidfd: (p, h)
@@ -333,18 +416,27 @@ class LocalBackend:
                     for h in p.hosts
                     if h.pidfd is not None
                 }
-            readable, _, _ = select.select([self._wake_r, *by_fd], [], [], self._next_timeout())
+                adopted = {a.pidfd: a for a in self._adopted.values()}
+            readable, _, _ = select.select(
+                [self._wake_r, *by_fd, *adopted], [], [], self._next_timeout()
+            )
             if self._wake_r in readable:
                 os.read(self._wake_r, 4096)
             for fd in readable:
                 if fd in by_fd:
                     self._reap(*by_fd[fd])
+                elif fd in adopted:
+                    self._finish_adopted(adopted[fd])
             self._enforce_deadlines()
 
     def _enforce_deadlines(self) -> None:
         now = time.monotonic()
         with self._lock:
             pods = list(self._running.values())
+            for adopted in self._adopted.values():
+                if adopted.kill_at is not None and now >= adopted.kill_at:
+                    _signal_group(adopted.pid, signal.SIGKILL)
+                    adopted.kill_at = None
         for pod in pods:
             if pod.deadline is not None and now >= pod.deadline and pod.kill_at is None:
                 pod.deadline_exceeded = True
@@ -407,7 +499,9 @@ class LocalBackend:
             ),
             preempted=preempted,
         )
-        record_update(self.workspace, pod.job_id, ended=True, exit_code=exit_code)
+        record_update(
+            self.workspace, pod.job_id, ended=True, exit_code=exit_code, ended_at=time.time()
+        )
         try:
             pod.on_exit(outcome)
         except Exception:

@@ -1,10 +1,12 @@
-"""A test kubelet: kubelet, scheduler and Job controller for `ClusterEmulator`.
+"""A test kubelet: kubelet, scheduler, Job controller and TTL controller for `ClusterEmulator`.
 
 For every created Job it makes a pod, runs its container through `LocalBackend`
 (secretKeyRefs resolved from the Secrets stored in the emulator) and writes pod
 and Job status back over HTTP, as another client of the API. It can instead
 leave the pod pending (image pull error, unschedulable, quota) or end it as
-Kubernetes would (OOMKilled, evicted, preempted, deadline).
+Kubernetes would (OOMKilled, evicted, preempted, deadline). As Kubernetes'
+TTL-after-finished controller does, it deletes a finished Job (and so its pods)
+`ttlSecondsAfterFinished` after the Job finished.
 
 API access from inside a pod (a flow-run pod launching its task pods): a real
 kubelet mounts the service account's token, and the client inside uses the
@@ -49,6 +51,11 @@ from tests.helpers.kube_objects import (
 
 KUBELET_AGENT = "test-kubelet"
 _NO_TOKEN_KUBECONFIG = "no-service-account-token/kubeconfig"
+
+
+def _finished(job: dict[str, Any]) -> bool:
+    conditions = (job.get("status") or {}).get("conditions") or []
+    return any(c["type"] in {"Complete", "Failed"} and c["status"] == "True" for c in conditions)
 
 
 def service_account_token(namespace: str, account: str) -> str:
@@ -100,6 +107,7 @@ class Kubelet:
         self._base_url = ""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._ttl_timers: dict[str, asyncio.Task[Any]] = {}
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -122,6 +130,8 @@ class Kubelet:
                     if resource.plural == JOBS:
                         self._on_job(event["type"], event["object"])
         finally:
+            for timer in self._ttl_timers.values():
+                timer.cancel()
             await self._session.close()
 
     def stop(self) -> None:
@@ -147,6 +157,11 @@ class Kubelet:
                 self._spawn(self._terminate(pod))
             elif pod is None:
                 self._spawn(self._release_job(job))
+        elif _finished(job) and job["spec"].get("ttlSecondsAfterFinished") is not None:
+            if name not in self._ttl_timers:
+                timer = asyncio.get_running_loop().create_task(self._expire(job))
+                timer.add_done_callback(self._task_done)
+                self._ttl_timers[name] = timer
         elif event_type == "ADDED" and name not in self._pods:
             suffix = secrets.token_hex(3)[:5]
             hosts = hosts_of(job)
@@ -158,6 +173,13 @@ class Kubelet:
             pod = _Pod(job=job, name=names[0], namespace=job["metadata"]["namespace"], names=names)
             self._pods[name] = pod
             self._spawn(self._start(pod))
+
+    async def _expire(self, job: dict[str, Any]) -> None:
+        """TTL-after-finished: delete the Job (and with it its pods) once its TTL is up."""
+        await asyncio.sleep(float(job["spec"]["ttlSecondsAfterFinished"]))
+        meta = job["metadata"]
+        path = f"/apis/batch/v1/namespaces/{meta['namespace']}/jobs/{meta['name']}"
+        await self._request("DELETE", path, {"propagationPolicy": "Background"})
 
     # -- HTTP -----------------------------------------------------------------------------
 

@@ -1,7 +1,13 @@
 """A flow run whose task trains with a checkpoint per step, run in its own process.
 
 `python -m tests.scripts.orphaned_training new` creates a flow run, prints its id and runs
-it; `... again FLOW_RUN_ID` runs that flow run once more, as a retry of it would.
+it; `... again FLOW_RUN_ID` runs that flow run once more, as a retry of it would (or as a
+flow process restarted for it).
+
+Environment: `ORPHANED_TRAINING_CLUSTER` names a saved gke `KineticCluster` (the tests'
+kmock cluster; local backend without it), `ORPHANED_TRAINING_ORPHAN_TIMEOUT` the runner's
+`orphan_timeout_seconds` (4), `ORPHANED_TRAINING_STEPS` the steps to train (60) and
+`ORPHANED_TRAINING_TTL` the Jobs' `ttl_seconds_after_finished` on gke (2).
 """
 
 from __future__ import annotations
@@ -9,13 +15,12 @@ from __future__ import annotations
 import os
 import sys
 import time
-from pathlib import Path
 
 from prefect import flow, get_client, task
 from prefect.flow_engine import run_flow
 from prefect.states import Scheduled
 
-from kinetic_prefect import KineticTaskRunner, checkpoint_manager, output_dir
+from kinetic_prefect import KineticTaskRunner, checkpoint_manager
 
 
 @task
@@ -23,7 +28,6 @@ def train_slowly(steps: int) -> int:
     import jax.numpy as jnp
     import orbax.checkpoint as ocp
 
-    Path(output_dir(), f"pod-{os.getpid()}").write_text(str(time.time()))
     manager = checkpoint_manager(max_to_keep=2)
     latest = manager.latest_step()
     start = 0 if latest is None else latest + 1
@@ -34,29 +38,34 @@ def train_slowly(steps: int) -> int:
     return start
 
 
-@flow(task_runner=KineticTaskRunner(orphan_timeout_seconds=4, cancel_grace_seconds=2))
+@flow
 def orphaned_training(steps: int) -> int:
     return train_slowly.submit(steps).result()
 
 
-def main() -> None:
-    training = orphaned_training
+def _runner() -> KineticTaskRunner:
+    timeout = float(os.environ.get("ORPHANED_TRAINING_ORPHAN_TIMEOUT") or 4)
+    options = {"orphan_timeout_seconds": timeout, "cancel_grace_seconds": 2}
     cluster = os.environ.get("ORPHANED_TRAINING_CLUSTER")
-    if cluster:  # a saved gke KineticCluster (the tests' kmock cluster)
-        runner = KineticTaskRunner(
-            cluster=cluster, allow_loopback_api=True, orphan_timeout_seconds=4
-        )
-        training = orphaned_training.with_options(task_runner=runner)
+    if not cluster:
+        return KineticTaskRunner(**options)
+    ttl = int(os.environ.get("ORPHANED_TRAINING_TTL") or 2)
+    return KineticTaskRunner(
+        cluster=cluster, allow_loopback_api=True, ttl_seconds_after_finished=ttl, **options
+    )
+
+
+def main() -> None:
+    training = orphaned_training.with_options(task_runner=_runner())
+    steps = int(os.environ.get("ORPHANED_TRAINING_STEPS") or 60)
     with get_client(sync_client=True) as client:
         if sys.argv[1] == "new":
-            flow_run = client.create_flow_run(training, parameters={"steps": 60})
+            flow_run = client.create_flow_run(training, parameters={"steps": steps})
         else:
             client.set_flow_run_state(sys.argv[2], Scheduled(), force=True)
             flow_run = client.read_flow_run(sys.argv[2])
     print(f"flow run {flow_run.id}", flush=True)
-    print(
-        f"result {run_flow(orphaned_training, flow_run=flow_run, parameters=flow_run.parameters)}"
-    )
+    print(f"result {run_flow(training, flow_run=flow_run, parameters=flow_run.parameters)}")
 
 
 if __name__ == "__main__":
