@@ -52,6 +52,7 @@ from kinetic_prefect.runner_resources import RunnerResources
 from kinetic_prefect.shipping import ship_parameters
 from kinetic_prefect.slices import build_workload
 from kinetic_prefect.storage import ArtifactStore, open_store
+from kinetic_prefect.warm_pods import warm_placement
 
 logger = get_logger("kinetic_prefect.launching")
 
@@ -273,9 +274,15 @@ class Launcher:
             service_account=settings.service_account,
             data_volumes=launch.data_volumes,
         )
+        backend = self.resources.backend_for(settings, jobs_root)
+        if settings.warm_pods and spec.accelerator.hosts == 1:
+            self.resources.warm_pods.place(
+                warm_placement(launch, spec, backend, store, secrets, self)
+            )
+            return
+        self.resources.warm_pods.make_room(backend)
         workload = build_workload(spec)
         launch.manifest = workload.job
-        backend = self.resources.backend_for(settings, jobs_root)
         job_id = launch.job_id
         with launch.lock:
             if launch.cancelled:
@@ -392,7 +399,7 @@ class Launcher:
             backend = launch.backend
         if launch.retry_timer is not None:
             launch.retry_timer.cancel()
-        if backend is not None:
+        if not self.resources.warm_pods.cancel(launch) and backend is not None:
             try:
                 backend.cancel(launch.job_id)
             except Exception:

@@ -22,6 +22,7 @@ from kinetic_prefect.lease import Lease, lease_key
 from kinetic_prefect.packaging import Artifact, build_context_zip, size_warning
 from kinetic_prefect.pod.watchdog import FLOW_RUN_ID_ENV, LEASE_URI_ENV, ORPHAN_TIMEOUT_ENV
 from kinetic_prefect.storage import ArtifactStore
+from kinetic_prefect.warm_pods import WarmPods
 
 if TYPE_CHECKING:
     from kinetic_prefect.launching import TaskLaunch
@@ -44,6 +45,7 @@ class RunnerResources:
         self.data_hashes = data_upload.LocalDataHashes()
         # Signs the pods' final-state records; reaches pods only through their Secret.
         self.signing_key = token_hex(32)
+        self.warm_pods = WarmPods()
 
     def backend_for(self, settings: LaunchSettings, jobs_root: str) -> Backend:
         key = (settings.backend, jobs_root)
@@ -88,6 +90,7 @@ class RunnerResources:
         return env
 
     def close(self) -> None:
+        self.warm_pods.close()
         with self._lock:
             backends = list(self._backends.values())
             self._backends.clear()
