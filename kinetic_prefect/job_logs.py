@@ -173,7 +173,7 @@ def warm_pod_of(jobs_root: str, job_id: str) -> str | None:
     import json
 
     from kinetic_prefect.storage import open_store
-    from kinetic_prefect.warm_pods import WARM_POD_JSON
+    from kinetic_prefect.warm_pod_state import WARM_POD_JSON
 
     store = open_store(jobs_root)
     key = f"kinetic/{job_id}/{WARM_POD_JSON}"

@@ -52,7 +52,6 @@ from kinetic_prefect.runner_resources import RunnerResources
 from kinetic_prefect.shipping import ship_parameters
 from kinetic_prefect.slices import build_workload
 from kinetic_prefect.storage import ArtifactStore, open_store
-from kinetic_prefect.warm_pods import warm_placement
 
 logger = get_logger("kinetic_prefect.launching")
 
@@ -275,12 +274,8 @@ class Launcher:
             data_volumes=launch.data_volumes,
         )
         backend = self.resources.backend_for(settings, jobs_root)
-        if settings.warm_pods and spec.accelerator.hosts == 1:
-            self.resources.warm_pods.place(
-                warm_placement(launch, spec, backend, store, secrets, self)
-            )
+        if self.resources.warm_pods.take(launch, spec, backend, store, secrets, self):
             return
-        self.resources.warm_pods.make_room(backend)
         workload = build_workload(spec)
         launch.manifest = workload.job
         job_id = launch.job_id

@@ -23,120 +23,36 @@ import dataclasses
 import json
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from prefect.logging import get_logger
 
 from kinetic_prefect.backends.base import Backend, PodExit
-from kinetic_prefect.manifest import LaunchSpec, build_job_manifest, container_of
 from kinetic_prefect.pod import warm
 from kinetic_prefect.pod.records import (
     FINAL_STATE_JSON,
     STATUS_PHASE_FAILED,
     FinalRecord,
 )
-from kinetic_prefect.pod_secrets import PodSecrets
 from kinetic_prefect.slices import build_workload
-from kinetic_prefect.storage import ArtifactStore
+from kinetic_prefect.warm_pod_state import (
+    WARM_POD_JSON,
+    Placement,
+    WarmPod,
+    capacity,
+    pod_env,
+    task_assignment,
+    warm_placement,
+)
 
 if TYPE_CHECKING:
     from kinetic_prefect.launching import Launcher, TaskLaunch
+    from kinetic_prefect.manifest import LaunchSpec
+    from kinetic_prefect.pod_secrets import PodSecrets
+    from kinetic_prefect.storage import ArtifactStore
 
 logger = get_logger("kinetic_prefect.warm_pods")
-
-# Env that differs between task runs of one pod spec (the rest of the per-task env,
-# job id and output dir, comes from LaunchSpec fields blanked in `spec_key`).
-_PER_TASK_ENV = ("KINETIC_ATTEMPT",)
-# The pointer from a task's job dir to the warm pod that ran it (for `jobs logs`).
-WARM_POD_JSON = "warm-pod.json"
-
-OnEnd = Callable[["TaskLaunch", PodExit], None]
-OnPending = Callable[["TaskLaunch", str], None]
-
-
-def warm_placement(
-    launch: TaskLaunch,
-    spec: LaunchSpec,
-    backend: Backend,
-    store: ArtifactStore,
-    secrets: PodSecrets,
-    launcher: Launcher,
-) -> Placement:
-    """The launcher's attempt as a placement for a warm pod."""
-    settings = launch.settings
-    return Placement(
-        launch=launch,
-        spec=spec,
-        key=spec_key(spec, store.uri(""), settings.backend),
-        backend=backend,
-        store=store,
-        secrets=secrets,
-        idle_seconds=settings.warm_pod_idle_seconds,
-        on_end=launcher.on_pod_exit,
-        on_pending=launcher.on_pod_pending,
-    )
-
-
-def spec_key(spec: LaunchSpec, jobs_root: str, backend: str) -> str:
-    """What must be equal for two task runs to share a pod."""
-    generic = dataclasses.replace(
-        spec,
-        job_id="warm",
-        task_name="warm",
-        task_run_id=None,
-        output_dir="",
-        payload_uri="",
-        payload_sha256="",
-        job_dir_uri="",
-        env={k: v for k, v in spec.env.items() if k not in _PER_TASK_ENV},
-    )
-    return json.dumps([backend, jobs_root, build_job_manifest(generic)], sort_keys=True)
-
-
-@dataclass
-class Placement:
-    """A task run's attempt waiting for (or given to) a warm pod."""
-
-    launch: TaskLaunch
-    spec: LaunchSpec
-    key: str
-    backend: Backend
-    store: ArtifactStore
-    secrets: PodSecrets
-    idle_seconds: float
-    on_end: OnEnd
-    on_pending: OnPending
-
-
-@dataclass
-class WarmPod:
-    pod_id: str
-    key: str
-    backend: Backend
-    store: ArtifactStore
-    idle_seconds: float
-    manifest: dict[str, Any] = field(default_factory=dict)
-    placement: Placement | None = None  # the task it runs now
-    sequence: int = 0  # assignments written so far
-    current: int = 0  # the running task's assignment (0: the Job's own first task)
-    deadline: float | None = None
-    deadline_hit: bool = False
-    idle_since: float | None = None
-    retiring: bool = False  # will end: takes no task
-    ended: bool = False
-
-    @property
-    def warm_dir(self) -> str:
-        return f"kinetic/{self.pod_id}/warm"
-
-    def usable_for(self, key: str, now: float) -> bool:
-        """Idle, of this spec, and not about to idle out."""
-        if self.placement is not None or self.retiring or self.ended or self.key != key:
-            return False
-        margin = max(1.0, 4 * warm.poll_seconds(self.store.uri("")))
-        return self.idle_since is not None and now - self.idle_since < self.idle_seconds - margin
 
 
 @dataclass
@@ -146,11 +62,6 @@ class _Actions:
     hand: list[tuple[WarmPod, Placement]] = field(default_factory=list)
     start: list[tuple[WarmPod, Placement]] = field(default_factory=list)
     retire: list[WarmPod] = field(default_factory=list)
-
-
-def capacity(backend: Backend) -> int | None:
-    limit = getattr(backend, "max_parallel", None)
-    return int(limit) if limit else None
 
 
 class WarmPods:
@@ -165,6 +76,25 @@ class WarmPods:
         self._closed = False
 
     # -- the launcher's hooks -----------------------------------------------------
+
+    def take(
+        self,
+        launch: TaskLaunch,
+        spec: LaunchSpec,
+        backend: Backend,
+        store: ArtifactStore,
+        secrets: PodSecrets,
+        launcher: Launcher,
+    ) -> bool:
+        """Place the attempt on a warm pod if it is one for a warm pod; else make room for it.
+
+        Multi-host slices are never warm: they launch cold.
+        """
+        if launch.settings.warm_pods and spec.accelerator.hosts == 1:
+            self.place(warm_placement(launch, spec, backend, store, secrets, launcher))
+            return True
+        self.make_room(backend)
+        return False
 
     def place(self, placement: Placement) -> None:
         """Run the attempt on an idle pod of its spec, a new pod, or as soon as one is free."""
@@ -280,14 +210,6 @@ class WarmPods:
 
     # -- acting ------------------------------------------------------------------------
 
-    def _pod_env(self, pod: WarmPod, placement: Placement) -> dict[str, str]:
-        return {
-            **placement.spec.env,
-            warm.WARM_DIR_ENV: pod.store.uri(pod.warm_dir),
-            warm.WARM_IDLE_ENV: f"{placement.idle_seconds:g}",
-            warm.TASK_RUN_ID_ENV: placement.spec.task_run_id or "",
-        }
-
     def _claim(self, placement: Placement, manifest: dict[str, Any]) -> bool:
         """Count the attempt on the launch unless it was cancelled meanwhile."""
         launch = placement.launch
@@ -302,7 +224,7 @@ class WarmPods:
     def _start(self, pod: WarmPod, placement: Placement) -> None:
         # No activeDeadlineSeconds: the deadline is each task's, enforced here.
         spec = dataclasses.replace(
-            placement.spec, env=self._pod_env(pod, placement), timeout_seconds=None
+            placement.spec, env=pod_env(pod, placement), timeout_seconds=None
         )
         workload = build_workload(spec)
         launch = placement.launch
@@ -336,23 +258,7 @@ class WarmPods:
 
     def _hand(self, pod: WarmPod, placement: Placement) -> None:
         launch = placement.launch
-        task_env = self._pod_env(pod, placement)
-        task_spec = dataclasses.replace(placement.spec, env=task_env)
-        env = {
-            item["name"]: item["value"]
-            for item in container_of(build_job_manifest(task_spec))["env"]
-            if "value" in item
-        }
-        assignment = warm.Assignment(
-            job_id=launch.job_id,
-            task_run_id=placement.spec.task_run_id or "",
-            job_dir=placement.spec.job_dir_uri,
-            payload=placement.spec.payload_uri,
-            payload_sha256=placement.spec.payload_sha256,
-            context=placement.spec.context_uri,
-            context_sha256=placement.spec.context_sha256,
-            env=env,
-        )
+        assignment = task_assignment(pod, placement)
         if not self._claim(placement, pod.manifest):
             with self._lock:
                 pod.sequence -= 1  # nothing was written for it
