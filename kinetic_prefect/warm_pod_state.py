@@ -103,6 +103,18 @@ class WarmPod:
     retiring: bool = False  # will end: takes no task
     ended: bool = False
 
+    busy_since: float = 0.0
+    next_check: float = 0.0
+
+    def check_interval(self, now: float) -> float:
+        """How soon to look for the running task's end again: promptly at first, then
+        less often as a long task goes on (at most ten times the store's pace)."""
+        base = warm.poll_seconds(self.store.uri(""))
+        interval = min(10 * base, base * (1 + (now - self.busy_since) / 30))
+        if self.deadline is not None and not self.deadline_hit:
+            interval = min(interval, max(self.deadline - now, 0.0))
+        return interval
+
     @property
     def warm_dir(self) -> str:
         return f"kinetic/{self.pod_id}/warm"

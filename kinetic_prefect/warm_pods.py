@@ -166,36 +166,38 @@ class WarmPods:
         actions = _Actions()
         now = time.monotonic()
         with self._lock:
+            # Idle pods go to waiting task runs of their own spec first, whatever the order.
             for placement in list(self._waiting):
-                launch = placement.launch
-                if launch.cancelled or launch.future.done():
+                if placement.launch.cancelled or placement.launch.future.done():
                     self._waiting.remove(placement)
                     continue
                 pod = next((p for p in self._pods if p.usable_for(placement.key, now)), None)
-                if pod is None and not self._has_room(placement.backend):
+                if pod is not None:
+                    self._waiting.remove(placement)
+                    pod.sequence += 1
+                    pod.current = pod.sequence
+                    pod.idle_since = None
+                    self._busy(pod, placement, now)
+                    actions.hand.append((pod, placement))
+            # Then a new pod where there is room, or in place of an idle pod nobody wants.
+            for placement in list(self._waiting):
+                if not self._has_room(placement.backend):
                     victim = self._retirable(placement.backend)
                     if victim is None:
                         continue  # wait for a pod of this backend to free up
                     victim.retiring = True
                     actions.retire.append(victim)
                 self._waiting.remove(placement)
-                if pod is not None:
-                    pod.sequence += 1
-                    pod.current = pod.sequence
-                    pod.idle_since = None
-                    self._busy(pod, placement, now)
-                    actions.hand.append((pod, placement))
-                else:
-                    pod = WarmPod(
-                        pod_id=launch.job_id,
-                        key=placement.key,
-                        backend=placement.backend,
-                        store=placement.store,
-                        idle_seconds=placement.idle_seconds,
-                    )
-                    self._pods.append(pod)
-                    self._busy(pod, placement, now)
-                    actions.start.append((pod, placement))
+                pod = WarmPod(
+                    pod_id=placement.launch.job_id,
+                    key=placement.key,
+                    backend=placement.backend,
+                    store=placement.store,
+                    idle_seconds=placement.idle_seconds,
+                )
+                self._pods.append(pod)
+                self._busy(pod, placement, now)
+                actions.start.append((pod, placement))
         for victim in actions.retire:
             self._retire(victim)
         for pod, placement in actions.start:
@@ -205,6 +207,7 @@ class WarmPods:
 
     def _busy(self, pod: WarmPod, placement: Placement, now: float) -> None:
         pod.placement = placement
+        pod.busy_since = pod.next_check = now
         timeout = placement.spec.timeout_seconds
         pod.deadline = now + timeout if timeout else None
 
@@ -375,6 +378,9 @@ class WarmPods:
             now = time.monotonic()
             for pod, placement in busy:
                 assert placement is not None
+                if pod.next_check > now:
+                    continue
+                pod.next_check = now + pod.check_interval(now)
                 job_id = placement.launch.job_id
                 try:
                     done = pod.store.exists(f"kinetic/{job_id}/{FINAL_STATE_JSON}")
@@ -387,6 +393,6 @@ class WarmPods:
                     with self._lock:
                         pod.deadline_hit = pod.retiring = True
                     pod.backend.cancel(pod.pod_id)
-            interval = min(warm.poll_seconds(p.store.uri("")) for p, _ in busy)
-            self._wake.wait(interval)
+            soonest = min(p.next_check for p, _ in busy)
+            self._wake.wait(max(soonest - time.monotonic(), 0.0))
             self._wake.clear()
