@@ -225,9 +225,13 @@ def jobs_logs(
 
     Example: kinetic-prefect jobs logs kp-train-1a2b3c4d --follow
     """
+    from kinetic_prefect.errors import ConfigurationError
     from kinetic_prefect.job_logs import JobSource, task_log, wait_until_started, warm_pod_of
 
-    jobs_root = _target(cluster, namespace)[1].resolved_jobs_root()
+    try:
+        jobs_root: str | None = _target(cluster, namespace)[1].resolved_jobs_root()
+    except ConfigurationError:
+        jobs_root = None  # no jobs store known: only pods' own logs can be shown
 
     async def show(source: JobSource) -> None:
         # A task that ran in a warm pod after its first task has no pod of its own to follow.

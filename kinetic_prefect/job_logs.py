@@ -168,10 +168,12 @@ class ClusterJobs:
         return str(pod["metadata"]["name"])
 
 
-def warm_pod_of(jobs_root: str, job_id: str) -> str | None:
+def warm_pod_of(jobs_root: str | None, job_id: str) -> str | None:
     """The warm pod that ran job `job_id` after its first task, if one did."""
     import json
 
+    if jobs_root is None:
+        return None
     from kinetic_prefect.storage import open_store
     from kinetic_prefect.warm_pod_state import WARM_POD_JSON
 
@@ -183,7 +185,7 @@ def warm_pod_of(jobs_root: str, job_id: str) -> str | None:
 
 
 async def task_log(
-    source: JobSource, jobs_root: str, job_id: str, tail: int | None, host: int = 0
+    source: JobSource, jobs_root: str | None, job_id: str, tail: int | None, host: int = 0
 ) -> str:
     """The log of job `job_id`: its pod's, or its part of the warm pod that ran it."""
     from kinetic_prefect.pod.warm import task_section
