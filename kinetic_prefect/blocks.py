@@ -148,6 +148,13 @@ class KineticCluster(Block):
     pending_timeout_seconds: float | None = Field(
         default=None, description="Fail a pod that cannot start within this many seconds."
     )
+    warm_pods: bool | None = Field(
+        default=None,
+        description="Keep a pod after its task for the next task run of the same pod spec.",
+    )
+    warm_pod_idle_seconds: float | None = Field(
+        default=None, description="How long an idle warm pod waits for its next task run."
+    )
 
     def jobs_root(self) -> str | None:
         """The jobs location as a URI: `gs://…` on GKE, a path with the local backend."""
@@ -180,4 +187,6 @@ def cluster_settings(cluster: KineticCluster) -> dict[str, Any]:
         "max_parallel": cluster.max_parallel,
         "timeout_seconds": cluster.timeout_seconds,
         "pending_timeout_seconds": cluster.pending_timeout_seconds,
+        "warm_pods": cluster.warm_pods,
+        "warm_pod_idle_seconds": cluster.warm_pod_idle_seconds,
     }

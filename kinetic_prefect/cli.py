@@ -220,15 +220,23 @@ def jobs_logs(
 ) -> None:
     """Print the log of a Job's pod (of host K of a multi-host slice with --host K).
 
-    On the local backend the logs are in the jobs root's pods/ folder.
+    On the local backend the logs are in the jobs root's pods/ folder. For a task run
+    that ran in a warm pod, it prints that task's part of the pod's log.
 
     Example: kinetic-prefect jobs logs kp-train-1a2b3c4d --follow
     """
-    from kinetic_prefect.job_logs import JobSource, wait_until_started
+    from kinetic_prefect.errors import ConfigurationError
+    from kinetic_prefect.job_logs import JobSource, task_log, wait_until_started, warm_pod_of
+
+    try:
+        jobs_root: str | None = _target(cluster, namespace)[1].resolved_jobs_root()
+    except ConfigurationError:
+        jobs_root = None  # no jobs store known: only pods' own logs can be shown
 
     async def show(source: JobSource) -> None:
-        if not follow:
-            typer.echo(await source.log(job_id, tail, host), nl=False)
+        # A task that ran in a warm pod after its first task has no pod of its own to follow.
+        if not follow or warm_pod_of(jobs_root, job_id) is not None:
+            typer.echo(await task_log(source, jobs_root, job_id, tail, host), nl=False)
             return
         await wait_until_started(source, job_id)
         async for line in source.follow(job_id, host):

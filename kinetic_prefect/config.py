@@ -55,6 +55,10 @@ class LaunchSettings:
     allow_loopback_api: bool = False
     # The kubeconfig context for the gke backend when no kube_config block is given.
     kube_context: str | None = None
+    # A pod stays after its task and takes the next task run of the same pod spec
+    # (docs/warm-pods.md); an idle one ends after `warm_pod_idle_seconds`.
+    warm_pods: bool = False
+    warm_pod_idle_seconds: float = 60.0
 
     def resolved_jobs_root(self) -> str:
         """Where `kinetic/{job_id}/…` artifacts live: a `gs://bucket[/prefix]` or a local dir."""
@@ -101,6 +105,8 @@ _ENV_PARSERS: dict[str, Any] = {
     "pending_timeout_seconds": float,
     "allow_loopback_api": lambda v: _parse_bool("KINETIC_ALLOW_LOOPBACK_API", v),
     "kube_context": str,
+    "warm_pods": lambda v: _parse_bool("KINETIC_WARM_PODS", v),
+    "warm_pod_idle_seconds": float,
 }
 ENV_ALIASES = {"jobs_root": ("KINETIC_JOBS_ROOT", "KINETIC_JOBS_BUCKET")}
 
@@ -223,6 +229,11 @@ def _validate(settings: LaunchSettings) -> None:
         raise ConfigurationError("max_parallel must be at least 1.")
     if settings.timeout_seconds is not None and settings.timeout_seconds < 1:
         raise ConfigurationError("timeout_seconds must be a positive number of seconds.")
+    if settings.warm_pod_idle_seconds <= 0:
+        raise ConfigurationError(
+            "warm_pod_idle_seconds must be a positive number of seconds (how long an idle "
+            "warm pod waits for its next task run)."
+        )
     for key in settings.env:
         if not key or "=" in key:
             raise ConfigurationError(f"Invalid environment variable name {key!r} in env=.")

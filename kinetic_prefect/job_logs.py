@@ -168,6 +168,42 @@ class ClusterJobs:
         return str(pod["metadata"]["name"])
 
 
+def warm_pod_of(jobs_root: str | None, job_id: str) -> str | None:
+    """The warm pod that ran job `job_id` after its first task, if one did."""
+    import json
+
+    if jobs_root is None:
+        return None
+    from kinetic_prefect.storage import open_store
+    from kinetic_prefect.warm_pod_state import WARM_POD_JSON
+
+    store = open_store(jobs_root)
+    key = f"kinetic/{job_id}/{WARM_POD_JSON}"
+    if not store.exists(key):
+        return None
+    return str(json.loads(store.get_bytes(key))["pod"])
+
+
+async def task_log(
+    source: JobSource, jobs_root: str | None, job_id: str, tail: int | None, host: int = 0
+) -> str:
+    """The log of job `job_id`: its pod's, or its part of the warm pod that ran it."""
+    from kinetic_prefect.pod.warm import task_section
+
+    pod = warm_pod_of(jobs_root, job_id)
+    if pod is None:
+        return await source.log(job_id, tail, host)
+    log = await source.log(pod, None)
+    section = task_section(log, job_id)
+    if not section:
+        section = (
+            f"(job {job_id} ran in warm pod {pod}, whose log has no part marked for it; "
+            "the whole pod log follows)\n" + log
+        )
+    lines = section.splitlines(keepends=True)
+    return "".join(lines[-tail:] if tail else lines)
+
+
 async def wait_until_started(source: JobSource, job_id: str) -> None:
     """Wait for the job's pod to start; an error when there is no such job."""
     while True:

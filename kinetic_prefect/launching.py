@@ -270,9 +270,11 @@ class Launcher:
             data_volumes=launch.data_volumes,
             extra_labels=identity_labels(launch),
         )
+        backend = self.resources.backend_for(settings, jobs_root)
+        if self.resources.warm_pods.take(launch, spec, backend, store, secrets, self):
+            return
         workload = build_workload(spec)
         launch.manifest = workload.job
-        backend = self.resources.backend_for(settings, jobs_root)
         job_id = launch.job_id
         with launch.lock:
             if launch.cancelled:
@@ -391,7 +393,7 @@ class Launcher:
             backend = launch.backend
         if launch.retry_timer is not None:
             launch.retry_timer.cancel()
-        if backend is not None:
+        if not self.resources.warm_pods.cancel(launch) and backend is not None:
             try:
                 backend.cancel(launch.job_id)
             except Exception:

@@ -21,6 +21,7 @@ from kinetic_prefect.lease import Lease, lease_key
 from kinetic_prefect.packaging import Artifact, build_context_zip, size_warning
 from kinetic_prefect.pod.watchdog import FLOW_RUN_ID_ENV, LEASE_URI_ENV, ORPHAN_TIMEOUT_ENV
 from kinetic_prefect.storage import ArtifactStore
+from kinetic_prefect.warm_pods import WarmPods
 
 if TYPE_CHECKING:
     from kinetic_prefect.launching import TaskLaunch
@@ -41,6 +42,7 @@ class RunnerResources:
         self._leases: dict[tuple[str, str], Lease] = {}
         self.data_hashes = data_upload.LocalDataHashes()
         self._master_key: str | None = None
+        self.warm_pods = WarmPods()
 
     def backend_for(self, settings: LaunchSettings, jobs_root: str) -> Backend:
         key = (settings.backend, jobs_root)
@@ -97,6 +99,7 @@ class RunnerResources:
         return env
 
     def close(self) -> None:
+        self.warm_pods.close()
         with self._lock:
             backends = list(self._backends.values())
             self._backends.clear()

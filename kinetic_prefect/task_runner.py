@@ -110,7 +110,15 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
         container_image: image for the pod container (GKE).
         output_dir: explicit `KINETIC_OUTPUT_DIR` root for this runner's tasks.
         env: extra environment variables for every pod.
-        timeout_seconds: the pod's deadline (`activeDeadlineSeconds`).
+        timeout_seconds: the pod's deadline (`activeDeadlineSeconds`); on a warm pod, each
+            task run's own deadline.
+        warm_pods: keep a pod after its task for the next task run of the same pod spec
+            (accelerator, image, env, volumes, code...) instead of starting a new one. Task
+            runs in one pod share its interpreter and imported modules, as in the worker
+            processes of `ProcessPoolTaskRunner`; each gets its own output dir, env and
+            scratch dir. Multi-host slices are never warm. See docs/warm-pods.md.
+        warm_pod_idle_seconds: how long an idle warm pod waits for its next task run
+            (default 60). On GKE an idle pod keeps its node and accelerator, which cost money.
         **settings: any other setting of `kinetic_prefect.config.LaunchSettings`.
 
     Retries: an exception in the task is retried by Prefect's engine inside the
@@ -124,7 +132,7 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
 
     Example:
         ```python
-        @flow(task_runner=KineticTaskRunner(accelerator="tpu-v5e-1"))
+        @flow(task_runner=KineticTaskRunner(accelerator="tpu-v5e-1", warm_pods=True))
         def sweep(lrs: list[float]):
             return [f.result() for f in train.map(lrs)]
         ```

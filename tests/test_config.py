@@ -68,3 +68,20 @@ def test_gke_backend_without_a_jobs_bucket_says_what_to_set():
 
     with pytest.raises(ConfigurationError, match="KINETIC_JOBS_BUCKET"):
         settings.resolved_jobs_root()
+
+
+def test_warm_pod_settings_come_from_the_runner_the_block_or_kinetic_variables():
+    from_env = resolve_settings(
+        environ={"KINETIC_WARM_PODS": "true", "KINETIC_WARM_POD_IDLE_SECONDS": "120"}
+    )
+    from_block = resolve_settings(environ={}, block={"warm_pods": True})
+    from_runner = resolve_settings(environ={}, runner={"warm_pod_idle_seconds": 5})
+
+    assert (from_env.warm_pods, from_env.warm_pod_idle_seconds) == (True, 120.0)
+    assert (from_block.warm_pods, from_block.warm_pod_idle_seconds) == (True, 60.0)
+    assert (from_runner.warm_pods, from_runner.warm_pod_idle_seconds) == (False, 5)
+
+
+def test_a_warm_pod_idle_time_that_is_not_positive_is_refused():
+    with pytest.raises(ConfigurationError, match="warm_pod_idle_seconds must be a positive"):
+        resolve_settings(environ={}, runner={"warm_pod_idle_seconds": 0})

@@ -35,7 +35,8 @@ class PodExit:
         if self.preempted:
             return f"the pod was preempted ({self.reason or 'terminated by the infrastructure'})"
         if self.signal is not None:
-            return f"the pod was killed by signal {self.signal}"
+            why = f": {self.reason}" if self.reason else ""
+            return f"the pod was killed by signal {self.signal}{why}"
         if self.reason:
             return f"the pod ended: {self.reason} (exit code {self.exit_code})"
         return f"the pod exited with code {self.exit_code}"

@@ -23,6 +23,7 @@ from typing import Any
 
 from kinetic_prefect import storage, versions
 from kinetic_prefect.pod import slice as slice_host
+from kinetic_prefect.pod import warm
 from kinetic_prefect.pod.records import (
     FINAL_STATE_JSON,
     FINAL_STATE_PICKLE,
@@ -62,6 +63,9 @@ class PodRun:
     context_bytes: bytes = b""
     workdir: Path | None = None
     contents: dict[str, Any] = field(default_factory=dict)
+    # A warm pod's code stays extracted between its tasks (same archive by construction).
+    extracted_sha256: str = ""
+    code_root: str | None = None
 
     @contextmanager
     def phase(self, name: str, hint: str = "") -> Iterator[None]:
@@ -74,6 +78,10 @@ class PodRun:
             raise PhaseFailure(name, f"{type(exc).__name__}: {exc}", hint) from exc
         finally:
             self.timings[name] = round(time.perf_counter() - started, 4)
+
+    @property
+    def reuses_code(self) -> bool:
+        return bool(self.extracted_sha256) and self.extracted_sha256 == self.context_sha256
 
     def write_record(self, record: FinalRecord) -> None:
         record.timings = dict(self.timings)
@@ -104,15 +112,16 @@ def _parse_args(argv: list[str] | None) -> PodRun:
 def download(run: PodRun) -> None:
     with run.phase("download", "check that the pod can read the jobs bucket (service account)"):
         run.payload_bytes = storage.read_uri(run.payload_uri)
-        run.context_bytes = storage.read_uri(run.context_uri)
+        if not run.reuses_code:
+            run.context_bytes = storage.read_uri(run.context_uri)
 
 
 def verify(run: PodRun) -> None:
     with run.phase("verify"):
-        for label, data, expected in (
-            ("payload.pkl", run.payload_bytes, run.payload_sha256),
-            ("context.zip", run.context_bytes, run.context_sha256),
-        ):
+        checks = [("payload.pkl", run.payload_bytes, run.payload_sha256)]
+        if not run.reuses_code:
+            checks.append(("context.zip", run.context_bytes, run.context_sha256))
+        for label, data, expected in checks:
             actual = hashlib.sha256(data).hexdigest()
             if actual != expected:
                 raise PhaseFailure(
@@ -138,8 +147,12 @@ def safe_extract(archive: zipfile.ZipFile, target: Path) -> None:
 
 
 def extract(run: PodRun) -> None:
+    if run.reuses_code:
+        assert run.workdir is not None
+        os.chdir(run.workdir)
+        return
     with run.phase("extract", "the pod's scratch disk may be full; raise ephemeral storage"):
-        scratch = os.environ.get("KINETIC_SCRATCH_DIR") or tempfile.gettempdir()
+        scratch = run.code_root or os.environ.get("KINETIC_SCRATCH_DIR") or tempfile.gettempdir()
         run.workdir = Path(tempfile.mkdtemp(prefix="kinetic-context-", dir=scratch))
         import io
 
@@ -147,6 +160,8 @@ def extract(run: PodRun) -> None:
             safe_extract(archive, run.workdir)
         sys.path.insert(0, str(run.workdir))
         os.chdir(run.workdir)
+        run.extracted_sha256 = run.context_sha256
+        run.context_bytes = b""
 
 
 def unpickle(run: PodRun) -> None:
@@ -330,14 +345,9 @@ def _log(message: str) -> None:
     sys.stderr.flush()
 
 
-def main(argv: list[str] | None = None) -> int:
-    startup = process_age()
-    run = _parse_args(argv)
-    start_watchdog()
-    if startup is not None:
-        run.timings["startup"] = startup
+def run_task(run: PodRun, index: int, hosts: int) -> tuple[int, Any]:
+    """One task run through every phase: the exit code, and the engine's state if it ran."""
     try:
-        index, hosts = slice_host.slice_position()
         download(run)
         verify(run)
         extract(run)
@@ -346,18 +356,18 @@ def main(argv: list[str] | None = None) -> int:
         environment(run)
         distributed(run, index, hosts)
         if index > 0:
-            return run_other_host(run, index)
+            return run_other_host(run, index), None
         state = execute(run)
         code = report(run, state)
         _log(f"finished: {state.type.value} ({run.timings})")
-        return code
+        return code, state
     except PhaseFailure as failure:
         message = f"Failed during {failure.phase}: {failure}"
         if failure.hint:
             message += f" — {failure.hint}"
         _log(message)
-        if slice_host.slice_position()[0] > 0:
-            return EXIT_PHASE_FAILED  # host 0 alone writes the record
+        if index > 0:
+            return EXIT_PHASE_FAILED, None  # host 0 alone writes the record
         cause = failure.__cause__ or failure
         record = FinalRecord(
             status=STATUS_PHASE_FAILED,
@@ -370,4 +380,17 @@ def main(argv: list[str] | None = None) -> int:
             run.write_record(record)
         except Exception as exc:  # the store itself is unreachable: the log is all we have
             _log(f"could not write {FINAL_STATE_JSON}: {exc}")
-        return EXIT_PHASE_FAILED
+        return EXIT_PHASE_FAILED, None
+
+
+def main(argv: list[str] | None = None) -> int:
+    startup = process_age()
+    run = _parse_args(argv)
+    start_watchdog()
+    if startup is not None:
+        run.timings["startup"] = startup
+    index, hosts = slice_host.slice_position()
+    loop = warm.WarmLoop.from_environ(hosts)
+    if loop is not None:
+        return loop.serve(run)
+    return run_task(run, index, hosts)[0]

@@ -1,0 +1,177 @@
+"""A warm pod: after its task, wait for the next task run of the same pod spec.
+
+The runner cannot reach a pod over the network on GKE, so work is handed over
+through the jobs store. The pod's warm dir (`KINETIC_WARM_DIR`) receives
+`assign-{n}.json` for its n-th next task; the pod answers with `accepted-{n}.json`
+before it touches the task, so a runner that sees the pod exit can tell a task
+the pod never picked up (relaunched elsewhere for free) from one it ran.
+
+Between tasks the pod goes back to its base environment: `os.environ` as the pod
+started, its working directory and a fresh scratch directory per task. What stays
+is the interpreter and every module imported so far, as in the worker processes
+of Prefect's `ProcessPoolTaskRunner`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kinetic_prefect import storage
+
+if TYPE_CHECKING:
+    from kinetic_prefect.pod.runner import PodRun
+
+WARM_DIR_ENV = "KINETIC_WARM_DIR"
+WARM_IDLE_ENV = "KINETIC_WARM_IDLE_SECONDS"
+TASK_RUN_ID_ENV = "KINETIC_TASK_RUN_ID"
+JOB_ID_ENV = "KINETIC_JOB_ID"
+SCRATCH_ENV = "KINETIC_SCRATCH_DIR"
+
+# The lines around each task's part of a warm pod's log (`jobs logs JOB_ID` cuts there).
+BEGIN_MARK = "kinetic-prefect pod: ===== begin job"
+END_MARK = "kinetic-prefect pod: ===== end job"
+
+
+def assignment_name(sequence: int) -> str:
+    return f"assign-{sequence}.json"
+
+
+def accepted_name(sequence: int) -> str:
+    return f"accepted-{sequence}.json"
+
+
+def poll_seconds(uri: str) -> float:
+    """How often to look at the store: a local path is cheap, a bucket costs a request."""
+    return 0.5 if "://" in uri else 0.02
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """The next task run for a warm pod: the pod's arguments and the task's own env."""
+
+    job_id: str
+    task_run_id: str
+    job_dir: str
+    payload: str
+    payload_sha256: str
+    context: str
+    context_sha256: str
+    env: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Assignment:
+        return cls(**json.loads(data))
+
+
+def task_section(log: str, job_id: str) -> str:
+    """The part of a warm pod's log written while it ran job `job_id` ("" if none)."""
+    lines = log.splitlines(keepends=True)
+    begin = f"{BEGIN_MARK} {job_id} "
+    end = f"{END_MARK} {job_id} "
+    start = next((i for i, line in enumerate(lines) if line.startswith(begin)), None)
+    if start is None:
+        return ""
+    stop = next((i for i in range(start, len(lines)) if lines[i].startswith(end)), len(lines) - 1)
+    return "".join(lines[start : stop + 1])
+
+
+class WarmLoop:
+    """The pod's side of the hand-over; None from `from_environ` when the pod is cold."""
+
+    def __init__(self, warm_dir: str, idle_seconds: float) -> None:
+        self.warm_dir = warm_dir.rstrip("/")
+        self.idle_seconds = idle_seconds
+        self.sequence = 0
+        self.base_env = dict(os.environ)
+        self.base_cwd = os.getcwd()
+        self.base_scratch = os.environ.get(SCRATCH_ENV) or tempfile.gettempdir()
+        self.task_scratch: Path | None = None
+
+    @classmethod
+    def from_environ(cls, hosts: int) -> WarmLoop | None:
+        warm_dir = os.environ.get(WARM_DIR_ENV)
+        if not warm_dir or hosts > 1:
+            return None
+        return cls(warm_dir, float(os.environ.get(WARM_IDLE_ENV) or "60"))
+
+    def _exists(self, name: str) -> bool:
+        store, key = storage.split_uri(f"{self.warm_dir}/{name}")
+        return store.exists(key)
+
+    def wait_for_assignment(self) -> Assignment | None:
+        """The next assignment, or None once the pod has been idle for its idle time."""
+        name = assignment_name(self.sequence + 1)
+        deadline = time.monotonic() + self.idle_seconds
+        interval = poll_seconds(self.warm_dir)
+        while not self._exists(name):
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(interval)
+        assignment = Assignment.from_json(storage.read_uri(f"{self.warm_dir}/{name}"))
+        self.sequence += 1
+        # Written before anything of the task runs: a pod that exits without it never took it.
+        storage.write_uri(f"{self.warm_dir}/{accepted_name(self.sequence)}", b"{}")
+        return assignment
+
+    def begin_task(self, env: dict[str, str] | None = None) -> None:
+        """The base environment plus the task's own env, and a fresh scratch dir."""
+        os.environ.clear()
+        os.environ.update(self.base_env)
+        if env:
+            os.environ.update(env)
+        job_id = os.environ.get(JOB_ID_ENV, "task")
+        self.task_scratch = Path(tempfile.mkdtemp(prefix=f"{job_id}-", dir=self.base_scratch))
+        os.environ[SCRATCH_ENV] = str(self.task_scratch)
+
+    def end_task(self, workdir: Path | None) -> None:
+        """Back to the pod's base environment, in the code's directory."""
+        os.environ.clear()
+        os.environ.update(self.base_env)
+        os.chdir(workdir or self.base_cwd)
+        if self.task_scratch is not None:
+            shutil.rmtree(self.task_scratch, ignore_errors=True)
+            self.task_scratch = None
+
+    def serve(self, run: PodRun) -> int:
+        """Task after task in this pod until it idles out; a crash or phase failure ends it."""
+        from kinetic_prefect.pod.runner import EXIT_COMPLETED, EXIT_PHASE_FAILED, PodRun, run_task
+        from kinetic_prefect.pod.runner import _log as log
+
+        run.code_root = self.base_scratch
+        assignment: Assignment | None = None
+        while True:
+            self.begin_task(assignment.env if assignment else None)
+            job_id = os.environ.get(JOB_ID_ENV, "")
+            task_run_id = os.environ.get(TASK_RUN_ID_ENV, "")
+            log(f"===== begin job {job_id} (task run {task_run_id}) =====")
+            code, state = run_task(run, 0, 1)
+            outcome = state.type.value if state is not None else f"exit code {code}"
+            log(f"===== end job {job_id} (task run {task_run_id}): {outcome} =====")
+            self.end_task(run.workdir)
+            if code == EXIT_PHASE_FAILED or (state is not None and state.is_crashed()):
+                log("ending this warm pod: its last task did not end cleanly")
+                return code
+            assignment = self.wait_for_assignment()
+            if assignment is None:
+                log(f"idle for {self.idle_seconds:g}s: ending this warm pod")
+                return EXIT_COMPLETED
+            run = PodRun(
+                job_dir=assignment.job_dir.rstrip("/"),
+                payload_uri=assignment.payload,
+                payload_sha256=assignment.payload_sha256,
+                context_uri=assignment.context,
+                context_sha256=assignment.context_sha256,
+                workdir=run.workdir,
+                extracted_sha256=run.extracted_sha256,
+                code_root=run.code_root,
+            )
