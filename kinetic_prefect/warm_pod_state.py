@@ -14,7 +14,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kinetic_prefect.backends.base import Backend, PodExit
-from kinetic_prefect.manifest import LaunchSpec, build_job_manifest, container_of
+from kinetic_prefect.manifest import (
+    LABEL_TASK_IDENTITY,
+    LaunchSpec,
+    build_job_manifest,
+    container_of,
+)
 from kinetic_prefect.pod import warm
 from kinetic_prefect.pod_secrets import PodSecrets
 from kinetic_prefect.storage import ArtifactStore
@@ -67,6 +72,7 @@ def spec_key(spec: LaunchSpec, jobs_root: str, backend: str) -> str:
         payload_sha256="",
         job_dir_uri="",
         env={k: v for k, v in spec.env.items() if k not in _PER_TASK_ENV},
+        extra_labels={k: v for k, v in spec.extra_labels.items() if k != LABEL_TASK_IDENTITY},
     )
     return json.dumps([backend, jobs_root, build_job_manifest(generic)], sort_keys=True)
 

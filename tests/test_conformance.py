@@ -75,7 +75,10 @@ async def independent() -> int:
 
 
 @task
-def sleep_then_return(seconds: float) -> float:
+def sleep_after_all_started(seconds: float, started_dir: str, count: int) -> float:
+    """Sleeps `seconds` once `count` tasks have started: pod start-up skew cannot reorder them."""
+    Path(started_dir, str(os.getpid())).touch()
+    wait_until(lambda: len(os.listdir(started_dir)) >= count, 120, "every task to start")
     time.sleep(seconds)
     return seconds
 
@@ -226,13 +229,13 @@ def test_async_task_timeout_fails_it_leaves_its_dependent_not_ready_and_others_c
     assert asyncio.run(run()) == ["FAILED", "PENDING", "COMPLETED"]
 
 
-def test_as_completed_yields_futures_in_the_order_they_finish():
+def test_as_completed_yields_futures_in_the_order_they_finish(tmp_path):
     @flow(task_runner=KineticTaskRunner(max_parallel=3))
     def run() -> list[float]:
-        futures = [sleep_then_return.submit(s) for s in (6.0, 0.0, 3.0)]
+        futures = [sleep_after_all_started.submit(s, str(tmp_path), 3) for s in (4.0, 0.0, 2.0)]
         return [f.result() for f in as_completed(futures)]
 
-    assert run() == [0.0, 3.0, 6.0]
+    assert run() == [0.0, 2.0, 4.0]
 
 
 def test_thirty_tasks_run_without_crashing():

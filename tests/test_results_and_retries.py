@@ -202,10 +202,16 @@ def test_output_dir_is_shared_by_attempts_distinct_for_siblings_and_survives_cle
 
 @task
 def swap_config_marker(config: str) -> str:
-    """Leaves `config` in the output dir; returns what an earlier run of this identity left."""
+    """Leaves `config` in the output dir; returns what an earlier run of this identity left.
+
+    The first run in an output dir fails after leaving its marker, so a retry of the
+    flow runs the task again (a Completed one would be taken over, not rerun).
+    """
     marker = Path(output_dir(), "config")
     previous = marker.read_text() if marker.exists() else ""
     marker.write_text(config)
+    if not previous:
+        raise RuntimeError(f"no earlier run of {config} left a marker")
     return previous
 
 
@@ -216,7 +222,7 @@ def sweep_in_reverse_on_retry(configs: list[str]) -> list[str]:
     first_run = flow_run.run_count == 1
     order = configs if first_run else configs[::-1]
     futures = {config: swap_config_marker.submit(config) for config in order}
-    found = {config: future.result() for config, future in futures.items()}
+    found = {config: future.result(raise_on_failure=False) for config, future in futures.items()}
     if first_run:
         raise RuntimeError("the first run of the flow fails after its sweep")
     return [found[config] for config in configs]

@@ -130,8 +130,12 @@ class Kubelet:
                     if resource.plural == JOBS:
                         self._on_job(event["type"], event["object"])
         finally:
-            for timer in self._ttl_timers.values():
-                timer.cancel()
+            # The cluster is going away: work still in flight (a pod being ended, a TTL
+            # timer) stops here, before the session it talks through is closed.
+            pending = [*self._ttl_timers.values(), *self._tasks]
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
             await self._session.close()
 
     def stop(self) -> None:
