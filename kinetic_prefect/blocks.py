@@ -148,6 +148,12 @@ class KineticCluster(Block):
     pending_timeout_seconds: float | None = Field(
         default=None, description="Fail a pod that cannot start within this many seconds."
     )
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Environment variables for every pod launched with this cluster; a "
+        "runner's env= or a work pool's env job variable overrides them. Give secrets as "
+        "'{{ prefect.blocks.secret.NAME }}' so they travel as Kubernetes Secret refs.",
+    )
 
     def jobs_root(self) -> str | None:
         """The jobs location as a URI: `gs://…` on GKE, a path with the local backend."""
@@ -180,4 +186,5 @@ def cluster_settings(cluster: KineticCluster) -> dict[str, Any]:
         "max_parallel": cluster.max_parallel,
         "timeout_seconds": cluster.timeout_seconds,
         "pending_timeout_seconds": cluster.pending_timeout_seconds,
+        "env": dict(cluster.env),
     }

@@ -56,6 +56,11 @@ def trivial(x: int) -> int:
 
 
 @task
+def environment_of_the_pod(names: list[str]) -> dict[str, str | None]:
+    return {name: os.environ.get(name) for name in names}
+
+
+@task
 def wait_for_gate(gate: str) -> str:
     pause = threading.Event()
     while not Path(gate).exists():
@@ -99,6 +104,26 @@ def test_mapped_results_come_back_from_job_pods_through_gcs_result_storage(gke, 
     assert sorted(j["metadata"]["name"] for j in cluster.created_jobs()) == sorted(job_ids)
     assert len(gcs.names("results/")) >= 3
     assert all(f"kinetic/{job_id}/handle.json" in gcs.names("kinetic/") for job_id in job_ids)
+
+
+def test_a_pod_sees_its_manifests_env_but_not_a_variable_set_only_in_the_test_process(
+    gke, cluster, monkeypatch
+):
+    monkeypatch.setenv("KP_ONLY_IN_THE_TEST_PROCESS", "leaked")
+    names = ["KP_ONLY_IN_THE_TEST_PROCESS", "KP_FROM_THE_RUNNER", "STORAGE_EMULATOR_HOST"]
+
+    @flow(task_runner=_runner(gke, env={"KP_FROM_THE_RUNNER": "carried"}))
+    def inspect() -> dict[str, str | None]:
+        return environment_of_the_pod.submit(names).result()
+
+    seen = inspect()
+
+    assert seen == {
+        "KP_ONLY_IN_THE_TEST_PROCESS": None,
+        "KP_FROM_THE_RUNNER": "carried",
+        # From the cluster block's env, as a user's emulator settings would travel.
+        "STORAGE_EMULATOR_HOST": os.environ["STORAGE_EMULATOR_HOST"],
+    }
 
 
 def test_task_exception_is_reraised_with_the_pod_traceback_and_the_run_is_failed(gke, cluster):

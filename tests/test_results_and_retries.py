@@ -82,6 +82,7 @@ def _gcs_cluster(gcs: object, name: str, backend: str = "local") -> str:
         backend=backend,
         jobs_bucket=gcs.uri,  # type: ignore[attr-defined]
         result_storage=GcsBucket.load(f"{name}-results"),
+        env=gcs.pod_env,  # type: ignore[attr-defined]
     ).save(name, overwrite=True)
     return name
 
