@@ -125,10 +125,10 @@ def gke(gcs: object, cluster: KubeCluster) -> Iterator[str]:
     """
     from prefect.settings import temporary_settings
 
+    from tests.helpers.clusters import gcs_cluster
     from tests.helpers.leaks import canary_settings, leaks, scanned_artifacts
-    from tests.test_results_and_retries import _gcs_cluster
 
     canaries = canary_settings()
     with temporary_settings(canaries):
-        yield _gcs_cluster(gcs, f"gke-{os.urandom(4).hex()}", backend="gke")
+        yield gcs_cluster(gcs, f"gke-{os.urandom(4).hex()}", backend="gke")
     assert leaks(canaries.values(), scanned_artifacts(cluster, gcs)) == []

@@ -1,4 +1,8 @@
-"""The gke backend end to end: real kubernetes-asyncio against kmock, a test kubelet, fake GCS."""
+"""The gke backend end to end: real kubernetes-asyncio against kmock, a test kubelet, fake GCS.
+
+Pods import this module to run its tasks: prefect-kubernetes (seconds of imports)
+is imported only in the test that uses it.
+"""
 
 from __future__ import annotations
 
@@ -22,10 +26,8 @@ from prefect import flow, get_client, task
 from prefect.exceptions import TerminationSignal
 from prefect.futures import wait
 from prefect.settings import PREFECT_API_KEY, temporary_settings
-from prefect_kubernetes.credentials import KubernetesClusterConfig
 
 from kinetic_prefect import KineticTaskRunner
-from kinetic_prefect.blocks import KineticCluster
 from kinetic_prefect.errors import ConfigurationError
 from kinetic_prefect.manifest import LABEL_JOB_ID
 from tests.helpers.kube import KubeCluster
@@ -473,6 +475,10 @@ def test_max_parallel_holds_jobs_back_until_a_running_one_ends(gke, cluster):
 
 
 def test_kube_config_block_wins_over_the_local_kubeconfig(gke, cluster, tmp_path, monkeypatch):
+    from prefect_kubernetes.credentials import KubernetesClusterConfig
+
+    from kinetic_prefect.blocks import KineticCluster
+
     cluster.kubelet.run_containers = False
     unreachable = {**cluster.kubeconfig_dict()}
     unreachable["clusters"] = [{"name": "kmock", "cluster": {"server": "http://127.0.0.1:9"}}]
