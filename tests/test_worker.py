@@ -57,10 +57,6 @@ from tests.helpers.pod_env import service_account_token
 from tests.helpers.prefect_server import PrefectServer, prefect_server, prefect_worker
 from tests.helpers.waiting import wait_until
 
-# One pytest worker runs the whole module, so its server and worker stack
-# (module-scoped, half a minute to start) starts once rather than once per worker.
-pytestmark = pytest.mark.xdist_group("worker-stack")
-
 REPO = Path(__file__).resolve().parents[1]
 POOL = "kinetic"  # the pool deployments/prefect.yaml deploys to
 SWEEP = "quickstart-sweep/sweep"
