@@ -155,6 +155,12 @@ class KineticCluster(Block):
     warm_pod_idle_seconds: float | None = Field(
         default=None, description="How long an idle warm pod waits for its next task run."
     )
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Environment variables for every pod launched with this cluster; a "
+        "runner's env= or a work pool's env job variable overrides them. Give secrets as "
+        "'{{ prefect.blocks.secret.NAME }}' so they travel as Kubernetes Secret refs.",
+    )
 
     def jobs_root(self) -> str | None:
         """The jobs location as a URI: `gs://…` on GKE, a path with the local backend."""
@@ -189,4 +195,5 @@ def cluster_settings(cluster: KineticCluster) -> dict[str, Any]:
         "pending_timeout_seconds": cluster.pending_timeout_seconds,
         "warm_pods": cluster.warm_pods,
         "warm_pod_idle_seconds": cluster.warm_pod_idle_seconds,
+        "env": dict(cluster.env),
     }

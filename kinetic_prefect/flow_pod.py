@@ -4,9 +4,10 @@
 exactly as the task runner does (job variables > `KineticCluster` block >
 `KINETIC_*` variables > defaults) and builds the Job manifest with the same
 builder as task pods, with Prefect's `prefect flow-run execute` as the
-container command. The flow pod runs as `flow_service_account` with its token
-mounted, since it launches the flow's task pods; those run as the cluster's
-`service_account`, without a token.
+container command. The cluster block's `env` reaches the flow pod as it reaches
+task pods, under the `env` job variable. The flow pod runs as
+`flow_service_account` with its token mounted, since it launches the flow's
+task pods; those run as the cluster's `service_account`, without a token.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from kinetic_prefect.config import (
     spot_request,
 )
 from kinetic_prefect.manifest import LaunchSpec, build_job_manifest, new_job_id
-from kinetic_prefect.pod_secrets import PodSecrets
+from kinetic_prefect.pod_secrets import PodSecrets, split_env
 from kinetic_prefect.pod_settings import secret_setting_paths
 from kinetic_prefect.slices import refuse_for_flow_runs
 
@@ -153,14 +154,17 @@ def plan_flow_pod(
     accelerator = parse_accelerator(settings.accelerator, spot=spot_request(settings.spot))
     refuse_for_flow_runs(accelerator)
     flow_run_id = str(flow_run.id)
+    cluster_env, cluster_secrets = split_env(settings.env)
     env = {
         **inherited_settings_env(settings),
         SIGTERM_BEHAVIOR_ENV: SIGTERM_BEHAVIOR,
         "PYTHONUNBUFFERED": "1",
+        **cluster_env,
         **{name: value for name, value in configuration.env.items() if value is not None},
     }
     # A secret given as a job variable travels like the worker's own: as a Secret ref.
     values = prefect_bridge.secret_values()
+    values.update({k: v for k, v in cluster_secrets.items() if k not in env})
     values.update({name: env.pop(name) for name in secret_setting_paths() if name in env})
     secrets = PodSecrets(values)
     output_root = settings.output_dir or settings.resolved_output_root()

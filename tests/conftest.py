@@ -79,12 +79,13 @@ def gcs(gcs_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[GcsTestB
 
     from kinetic_prefect import gcs as kgcs
 
-    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_endpoint)
-    monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", gcs_endpoint)
+    emulator_env = {"STORAGE_EMULATOR_HOST": gcs_endpoint, "TENSORSTORE_GCS_HTTP_URL": gcs_endpoint}
+    for name, value in emulator_env.items():
+        monkeypatch.setenv(name, value)
     kgcs._clients.clear()
     client = kgcs.storage_client()
     bucket = client.create_bucket(f"kp-{uuid.uuid4().hex[:12]}")
-    yield GcsTestBucket(name=bucket.name, client=client)
+    yield GcsTestBucket(name=bucket.name, client=client, pod_env=emulator_env)
     kgcs._clients.clear()
 
 
@@ -92,6 +93,8 @@ def gcs(gcs_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[GcsTestB
 class GcsTestBucket:
     name: str
     client: Any
+    # What pods need to reach the emulator: on a cluster, only a manifest's env carries it.
+    pod_env: dict[str, str]
 
     @property
     def uri(self) -> str:
@@ -122,10 +125,10 @@ def gke(gcs: object, cluster: KubeCluster) -> Iterator[str]:
     """
     from prefect.settings import temporary_settings
 
+    from tests.helpers.clusters import gcs_cluster
     from tests.helpers.leaks import canary_settings, leaks, scanned_artifacts
-    from tests.test_results_and_retries import _gcs_cluster
 
     canaries = canary_settings()
     with temporary_settings(canaries):
-        yield _gcs_cluster(gcs, f"gke-{os.urandom(4).hex()}", backend="gke")
+        yield gcs_cluster(gcs, f"gke-{os.urandom(4).hex()}", backend="gke")
     assert leaks(canaries.values(), scanned_artifacts(cluster, gcs)) == []

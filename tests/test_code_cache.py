@@ -18,8 +18,9 @@ from kinetic_prefect.gcs import GcsStore
 from kinetic_prefect.jobs import cleanup_jobs
 from kinetic_prefect.packaging import Artifact, build_context_zip, context_keys, upload_context
 from kinetic_prefect.storage import LocalStore
+from tests.helpers.clusters import gcs_cluster
 from tests.helpers.gcs import FaultInjectingProxy
-from tests.test_results_and_retries import _gcs_cluster, cube
+from tests.test_results_and_retries import cube
 
 pytestmark = pytest.mark.usefixtures("workdir")
 
@@ -89,7 +90,7 @@ def test_an_archive_without_its_marker_is_uploaded_again(tmp_path: Path):
 
 @pytest.mark.usefixtures("prefect_api")
 def test_a_sweep_of_four_tasks_uploads_its_code_archive_once(gcs, recording_proxy):
-    @flow(task_runner=KineticTaskRunner(cluster=_gcs_cluster(gcs, "code-cache-sweep")))
+    @flow(task_runner=KineticTaskRunner(cluster=gcs_cluster(gcs, "code-cache-sweep")))
     def sweep() -> list[int]:
         return [future.result() for future in cube.map([1, 2, 3, 4])]
 

@@ -72,6 +72,32 @@ def test_deferred_registration_reaches_prefects_registry():
     assert out.split() == ["KineticCluster", "KineticGcpCredentials", "KineticWorker", "True"]
 
 
+# Test modules whose tasks run in pods: a pod imports the module of its task.
+POD_TASK_MODULES = (
+    "tests.test_results_and_retries",
+    "tests.test_kubernetes_backend",
+    "tests.test_data",
+    "tests.test_data_cache",
+    "tests.test_code_cache",
+    "tests.test_gcs_faults",
+    "tests.test_secrets",
+    "tests.test_multihost_gke",
+)
+
+
+def test_test_modules_whose_tasks_run_in_pods_import_no_prefect_collection():
+    out = _python(
+        f"""
+        import importlib, sys
+        for module in {POD_TASK_MODULES!r}:
+            importlib.import_module(module)
+        print(sorted(name for name in {HEAVY_MODULES!r} if name in sys.modules))
+        """
+    )
+
+    assert out == "[]"
+
+
 def test_listing_prefects_block_registry_includes_the_deferred_block_types():
     out = _python(
         """

@@ -16,7 +16,7 @@ from kinetic_prefect.data import DataError
 from kinetic_prefect.data_upload import hash_local, upload_local
 from kinetic_prefect.manifest import GCSFUSE_ANNOTATION, GCSFUSE_DRIVER
 from kinetic_prefect.storage import ArtifactStore, LocalStore, open_store
-from tests.test_results_and_retries import _gcs_cluster
+from tests.helpers.clusters import gcs_cluster
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
 
@@ -70,7 +70,7 @@ def test_local_directory_arrives_in_the_pod_with_the_same_bytes(storage, workdir
     if storage == "local":
         runner = KineticTaskRunner()
     else:
-        runner = KineticTaskRunner(cluster=_gcs_cluster(request.getfixturevalue("gcs"), "data-gcs"))
+        runner = KineticTaskRunner(cluster=gcs_cluster(request.getfixturevalue("gcs"), "data-gcs"))
 
     assert _run_digest(runner, Data(dataset)) == tree_digest(str(dataset))
 
@@ -104,7 +104,7 @@ def test_gcs_prefix_and_object_resolve_to_paths_with_their_content(
 ):
     dataset = _dataset(workdir / "remote")
     _upload_to_bucket(gcs, dataset, "datasets/remote")
-    runner = KineticTaskRunner(cluster=_gcs_cluster(gcs, "data-remote"))
+    runner = KineticTaskRunner(cluster=gcs_cluster(gcs, "data-remote"))
     one_object = f"{gcs.uri}/datasets/remote/part-1/shard-1.bin"
 
     prefix_digest = _run_digest(runner, Data(f"{gcs.uri}/datasets/remote/", fuse=fuse))
@@ -120,7 +120,7 @@ def test_fuse_data_puts_a_read_only_gcsfuse_volume_and_annotation_in_the_manifes
     _upload_to_bucket(gcs, _dataset(workdir / "remote"), "datasets/remote")
 
     _run_digest(
-        KineticTaskRunner(cluster=_gcs_cluster(gcs, "data-fuse")),
+        KineticTaskRunner(cluster=gcs_cluster(gcs, "data-fuse")),
         Data(f"{gcs.uri}/datasets/remote/", fuse=True),
     )
     pod = launched_manifests[-1]["spec"]["template"]

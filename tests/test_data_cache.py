@@ -15,9 +15,9 @@ from prefect.context import FlowRunContext
 from kinetic_prefect import Data, KineticTaskRunner
 from kinetic_prefect.data_upload import HashingReader, LocalDataHashes
 from kinetic_prefect.errors import PodPhaseError
+from tests.helpers.clusters import gcs_cluster
 from tests.helpers.gcs import FaultInjectingProxy
 from tests.test_data import _upload_to_bucket, digest_in_pod, tree_digest
-from tests.test_results_and_retries import _gcs_cluster
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
 MIB = 1024 * 1024
@@ -60,7 +60,7 @@ def test_64_mib_file_and_300_mib_tree_are_verified_in_the_pod_uploaded_once_hash
     rng = random.Random(7)
     big = _write_random(workdir / "weights.bin", 64 * MIB, rng)
     tree = _mixed_tree(workdir / "corpus", rng)
-    runner = KineticTaskRunner(cluster=_gcs_cluster(gcs, "data-big"), max_parallel=4)
+    runner = KineticTaskRunner(cluster=gcs_cluster(gcs, "data-big"), max_parallel=4)
 
     @flow(task_runner=runner)
     def run() -> tuple[object, int, list[int], list[str], int]:
@@ -95,7 +95,7 @@ def test_gcs_prefix_resolves_to_exactly_its_objects_not_a_sibling_sharing_its_na
     _write_random(workdir / "digits-extra" / "c.bin", 2048, rng)
     _upload_to_bucket(gcs, digits, "datasets/digits")
     _upload_to_bucket(gcs, workdir / "digits-extra", "datasets/digits-extra")
-    runner = KineticTaskRunner(cluster=_gcs_cluster(gcs, "data-prefix"))
+    runner = KineticTaskRunner(cluster=gcs_cluster(gcs, "data-prefix"))
     prefix = Data(f"{gcs.uri}/datasets/digits/")
 
     @flow(task_runner=runner)
@@ -119,7 +119,7 @@ class TestThroughGcsAnswering503ToEverySecondRequest:
         self, gcs, fault_proxy, workdir
     ):
         big = _write_random(workdir / "weights.bin", 40 * MIB, random.Random(5))
-        runner = KineticTaskRunner(cluster=_gcs_cluster(gcs, "data-503"))
+        runner = KineticTaskRunner(cluster=gcs_cluster(gcs, "data-503"))
 
         @flow(task_runner=runner)
         def run() -> dict[str, str]:
@@ -178,7 +178,7 @@ def _submit_once(runner: KineticTaskRunner, data: Data) -> tuple[int, dict[str, 
 
 def test_tampered_data_cache_object_is_refused_in_the_pod_naming_the_file(gcs, workdir):
     tree = _small_tree(workdir / "tree")
-    runner = KineticTaskRunner(cluster=_gcs_cluster(gcs, "data-tamper"))
+    runner = KineticTaskRunner(cluster=gcs_cluster(gcs, "data-tamper"))
     _submit_once(runner, Data(tree))
     _cached_object(gcs, "part/f-2.bin").upload_from_string(bytes(4096))
 
@@ -192,7 +192,7 @@ def test_tampered_data_cache_object_is_refused_in_the_pod_naming_the_file(gcs, w
 
 def test_cached_objects_missing_or_resized_are_uploaded_again_before_reuse(gcs, workdir):
     tree = _small_tree(workdir / "tree")
-    runner = KineticTaskRunner(cluster=_gcs_cluster(gcs, "data-resized"))
+    runner = KineticTaskRunner(cluster=gcs_cluster(gcs, "data-resized"))
     uploaded_first, _ = _submit_once(runner, Data(tree))
     _cached_object(gcs, "part/f-1.bin").delete()
     _cached_object(gcs, "part/f-2.bin").upload_from_string(b"short")

@@ -9,8 +9,8 @@ from prefect import flow, task
 
 from kinetic_prefect import KineticTaskRunner
 from kinetic_prefect.checkpoint import checkpoint_manager
+from tests.helpers.clusters import gcs_cluster
 from tests.helpers.gcs import FaultInjectingProxy
-from tests.test_results_and_retries import _gcs_cluster
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
 
@@ -40,7 +40,7 @@ def gcs_endpoint(fault_proxy: FaultInjectingProxy) -> str:
 
 
 def test_uploads_result_writes_and_checkpoints_survive_one_503_in_five(gcs, fault_proxy):
-    runner = KineticTaskRunner(cluster=_gcs_cluster(gcs, "flaky-gcs"))
+    runner = KineticTaskRunner(cluster=gcs_cluster(gcs, "flaky-gcs"))
 
     @flow(task_runner=runner)
     def train() -> float:

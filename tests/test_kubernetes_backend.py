@@ -1,4 +1,8 @@
-"""The gke backend end to end: real kubernetes-asyncio against kmock, a test kubelet, fake GCS."""
+"""The gke backend end to end: real kubernetes-asyncio against kmock, a test kubelet, fake GCS.
+
+Pods import this module to run its tasks: prefect-kubernetes (seconds of imports)
+is imported only in the test that uses it.
+"""
 
 from __future__ import annotations
 
@@ -22,10 +26,8 @@ from prefect import flow, get_client, task
 from prefect.exceptions import TerminationSignal
 from prefect.futures import wait
 from prefect.settings import PREFECT_API_KEY, temporary_settings
-from prefect_kubernetes.credentials import KubernetesClusterConfig
 
 from kinetic_prefect import KineticTaskRunner
-from kinetic_prefect.blocks import KineticCluster
 from kinetic_prefect.errors import ConfigurationError
 from kinetic_prefect.manifest import LABEL_JOB_ID
 from tests.helpers.kube import KubeCluster
@@ -53,6 +55,11 @@ def explode() -> None:
 @task
 def trivial(x: int) -> int:
     return x
+
+
+@task
+def environment_of_the_pod(names: list[str]) -> dict[str, str | None]:
+    return {name: os.environ.get(name) for name in names}
 
 
 @task
@@ -99,6 +106,26 @@ def test_mapped_results_come_back_from_job_pods_through_gcs_result_storage(gke, 
     assert sorted(j["metadata"]["name"] for j in cluster.created_jobs()) == sorted(job_ids)
     assert len(gcs.names("results/")) >= 3
     assert all(f"kinetic/{job_id}/handle.json" in gcs.names("kinetic/") for job_id in job_ids)
+
+
+def test_a_pod_sees_its_manifests_env_but_not_a_variable_set_only_in_the_test_process(
+    gke, cluster, monkeypatch
+):
+    monkeypatch.setenv("KP_ONLY_IN_THE_TEST_PROCESS", "leaked")
+    names = ["KP_ONLY_IN_THE_TEST_PROCESS", "KP_FROM_THE_RUNNER", "STORAGE_EMULATOR_HOST"]
+
+    @flow(task_runner=_runner(gke, env={"KP_FROM_THE_RUNNER": "carried"}))
+    def inspect() -> dict[str, str | None]:
+        return environment_of_the_pod.submit(names).result()
+
+    seen = inspect()
+
+    assert seen == {
+        "KP_ONLY_IN_THE_TEST_PROCESS": None,
+        "KP_FROM_THE_RUNNER": "carried",
+        # From the cluster block's env, as a user's emulator settings would travel.
+        "STORAGE_EMULATOR_HOST": os.environ["STORAGE_EMULATOR_HOST"],
+    }
 
 
 def test_task_exception_is_reraised_with_the_pod_traceback_and_the_run_is_failed(gke, cluster):
@@ -448,6 +475,10 @@ def test_max_parallel_holds_jobs_back_until_a_running_one_ends(gke, cluster):
 
 
 def test_kube_config_block_wins_over_the_local_kubeconfig(gke, cluster, tmp_path, monkeypatch):
+    from prefect_kubernetes.credentials import KubernetesClusterConfig
+
+    from kinetic_prefect.blocks import KineticCluster
+
     cluster.kubelet.run_containers = False
     unreachable = {**cluster.kubeconfig_dict()}
     unreachable["clusters"] = [{"name": "kmock", "cluster": {"server": "http://127.0.0.1:9"}}]

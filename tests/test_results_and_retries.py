@@ -1,4 +1,8 @@
-"""Results in GCS result storage, checkpointed retries that resume, cache hits without pods."""
+"""Results in GCS result storage, checkpointed retries that resume, cache hits without pods.
+
+Pods import this module to run its tasks: the block classes (prefect-gcp,
+prefect-kubernetes, seconds of imports) are imported only in the tests that use them.
+"""
 
 from __future__ import annotations
 
@@ -14,13 +18,12 @@ from prefect import flow, get_client, task
 from prefect.cache_policies import INPUTS
 from prefect.filesystems import LocalFileSystem
 from prefect.runtime import task_run
-from prefect_gcp.cloud_storage import GcsBucket
 
 from kinetic_prefect import KineticTaskRunner
-from kinetic_prefect.blocks import KineticCluster, KineticGcpCredentials
 from kinetic_prefect.checkpoint import checkpoint_manager, output_dir
 from kinetic_prefect.errors import ConfigurationError
 from kinetic_prefect.jobs import cleanup_jobs
+from tests.helpers.clusters import gcs_cluster
 from tests.helpers.waiting import wait_for_task_run_state
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
@@ -70,27 +73,11 @@ def cached_square(x: int) -> int:
     return x * x
 
 
-def _gcs_cluster(gcs: object, name: str, backend: str = "local") -> str:
-    """Save a KineticCluster with jobs and results in the test bucket; returns its name."""
-    results = GcsBucket(
-        bucket=gcs.name,
-        bucket_folder="results",
-        gcp_credentials=KineticGcpCredentials(),  # type: ignore[attr-defined]
-    )
-    results.save(f"{name}-results", overwrite=True)
-    KineticCluster(
-        backend=backend,
-        jobs_bucket=gcs.uri,  # type: ignore[attr-defined]
-        result_storage=GcsBucket.load(f"{name}-results"),
-    ).save(name, overwrite=True)
-    return name
-
-
 def _runner(storage: str, request: pytest.FixtureRequest, **options: object) -> KineticTaskRunner:
     if storage == "local":
         return KineticTaskRunner(**options)
     gcs = request.getfixturevalue("gcs")
-    return KineticTaskRunner(cluster=_gcs_cluster(gcs, f"c-{os.urandom(4).hex()}"), **options)
+    return KineticTaskRunner(cluster=gcs_cluster(gcs, f"c-{os.urandom(4).hex()}"), **options)
 
 
 def _state_history(task_run_id: object) -> list[tuple[str, str]]:
@@ -112,7 +99,7 @@ print(json.dumps(values))
 def test_results_are_prefect_records_in_the_bucket_readable_by_a_plain_prefect_process(
     gcs, prefect_api
 ):
-    runner = KineticTaskRunner(cluster=_gcs_cluster(gcs, "results-e2e"))
+    runner = KineticTaskRunner(cluster=gcs_cluster(gcs, "results-e2e"))
 
     @flow(task_runner=runner)
     def cubes() -> list[str]:
@@ -263,6 +250,10 @@ def _submit_one(runner: KineticTaskRunner, storage: object = None) -> None:
 
 
 def test_unsaved_result_storage_with_a_gcs_cluster_fails_before_any_pod(gcs, launched_manifests):
+    from prefect_gcp.cloud_storage import GcsBucket
+
+    from kinetic_prefect.blocks import KineticCluster, KineticGcpCredentials
+
     cluster = KineticCluster(
         backend="local",
         jobs_bucket=gcs.uri,
@@ -277,6 +268,8 @@ def test_unsaved_result_storage_with_a_gcs_cluster_fails_before_any_pod(gcs, lau
 def test_non_gcs_result_storage_with_a_gcs_cluster_fails_before_any_pod(
     gcs, launched_manifests, tmp_path
 ):
+    from kinetic_prefect.blocks import KineticCluster
+
     LocalFileSystem(basepath=str(tmp_path)).save("local-results", overwrite=True)
     cluster = KineticCluster(backend="local", jobs_bucket=gcs.uri)
 
@@ -286,6 +279,8 @@ def test_non_gcs_result_storage_with_a_gcs_cluster_fails_before_any_pod(
 
 
 def test_missing_jobs_bucket_fails_before_any_pod_naming_the_bucket(gcs, launched_manifests):
+    from kinetic_prefect.blocks import KineticCluster
+
     cluster = KineticCluster(backend="local", jobs_bucket="gs://no-such-bucket-kp")
 
     with pytest.raises(ConfigurationError, match="gs://no-such-bucket-kp does not exist"):
@@ -296,6 +291,8 @@ def test_missing_jobs_bucket_fails_before_any_pod_naming_the_bucket(gcs, launche
 def test_credentials_block_without_credentials_outside_emulator_mode_fails_before_any_pod(
     monkeypatch, launched_manifests, tmp_path
 ):
+    from kinetic_prefect.blocks import KineticCluster, KineticGcpCredentials
+
     monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
     monkeypatch.delenv("GOOGLE_APPLICATION_CREDENTIALS", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))

@@ -53,7 +53,7 @@ from kinetic_prefect.manifest import (
 from kinetic_prefect.pod.records import FINAL_STATE_JSON, FinalRecord
 from kinetic_prefect.worker import KineticJobConfiguration, KineticWorker, plan_flow_pod
 from tests.helpers import deployed_flows
-from tests.helpers.kubelet import service_account_token
+from tests.helpers.pod_env import service_account_token
 from tests.helpers.prefect_server import PrefectServer, prefect_server, prefect_worker
 from tests.helpers.waiting import wait_until
 
@@ -385,6 +385,7 @@ def test_deployed_flow_on_gke_runs_as_the_runner_account_and_launches_its_task_p
             jobs_bucket=gcs.uri,
             service_account=pods_account,
             result_storage=GcsBucket.load(deployed_flows.GKE_RESULTS),
+            env=gcs.pod_env,
         ).save(deployed_flows.GKE_CLUSTER, overwrite=True)
     server.cli("work-pool", "create", "--type", "kinetic", GKE_POOL)
     worker_dir = tmp_path / "gke-worker"

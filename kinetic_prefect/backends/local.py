@@ -17,7 +17,6 @@ import os
 import select
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -28,14 +27,14 @@ from typing import Any
 from prefect.logging import get_logger
 
 from kinetic_prefect.backends.base import FoundPod, OnExit, OnPending, PodExit, Secrets
-from kinetic_prefect.data import MOUNT_ROOT_ENV, materialise_fuse_volume
-from kinetic_prefect.local_pods import pods_labelled, read_pod, record_launch, record_update
-from kinetic_prefect.manifest import (
-    GCSFUSE_DRIVER,
-    LABEL_FLOW_RUN_ID,
-    LABEL_TASK_IDENTITY,
-    container_of,
+from kinetic_prefect.backends.local_container import (
+    container_command,
+    container_env,
+    materialise_fuse_volumes,
 )
+from kinetic_prefect.data import MOUNT_ROOT_ENV
+from kinetic_prefect.local_pods import pods_labelled, read_pod, record_launch, record_update
+from kinetic_prefect.manifest import LABEL_FLOW_RUN_ID, LABEL_TASK_IDENTITY
 from kinetic_prefect.slices import (
     COMPLETION_INDEX_ANNOTATION,
     free_port,
@@ -46,10 +45,6 @@ from kinetic_prefect.slices import (
 logger = get_logger("kinetic_prefect.backends.local")
 
 _COMPLETION_INDEX_FIELD = f"metadata.annotations['{COMPLETION_INDEX_ANNOTATION}']"
-
-# Variables of the submitting process that must not leak into a pod: the pod's
-# Prefect settings and Kinetic settings come from its manifest only.
-_ISOLATED_PREFIXES = ("PREFECT_", "KINETIC_", "JAX_", "XLA_", "TPU_", "MEGASCALE_")
 
 
 @dataclass
@@ -92,46 +87,11 @@ class _Adopted:
     kill_at: float | None = None
 
 
-def container_env(
-    manifest: Mapping[str, Any], secrets: Secrets, fields: Mapping[str, str] | None = None
-) -> dict[str, str]:
-    """The pod's environment: this machine's basics plus the manifest's env.
-
-    `fields` gives the values of the fieldRefs the manifest uses, by field path.
-    """
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_ISOLATED_PREFIXES)}
-    for item in container_of(manifest).get("env", []):
-        if "value" in item:
-            env[item["name"]] = item["value"]
-            continue
-        field_ref = item["valueFrom"].get("fieldRef")
-        if field_ref is not None:
-            path = field_ref["fieldPath"]
-            if fields is None or path not in fields:
-                raise KeyError(f"The local backend cannot fill {item['name']} from {path}")
-            env[item["name"]] = fields[path]
-            continue
-        ref = item["valueFrom"]["secretKeyRef"]
-        try:
-            env[item["name"]] = secrets[ref["name"]][ref["key"]]
-        except KeyError as exc:
-            raise KeyError(
-                f"Secret {ref['name']}/{ref['key']} for {item['name']} was not provided"
-            ) from exc
-    return env
-
-
-def container_command(manifest: Mapping[str, Any]) -> list[str]:
-    """The container's command and args, run with this interpreter."""
-    container = container_of(manifest)
-    command = [*container.get("command", []), *container.get("args", [])]
-    if command and command[0] in {"python", "python3"}:
-        command[0] = sys.executable
-    return command
-
-
 class LocalBackend:
     """Runs pods as local process groups, at most `max_parallel` at once.
+
+    Each pod's environment is its manifest's env on top of `base_env`; without
+    one, on top of this machine's environment (see `container_env`).
 
     Example:
         ```python
@@ -145,8 +105,11 @@ class LocalBackend:
         workspace: str | os.PathLike[str],
         max_parallel: int | None = None,
         cancel_grace_seconds: float = 10.0,
+        base_env: Mapping[str, str] | None = None,
     ) -> None:
         self.workspace = Path(workspace)
+        # None: pods start from this machine's environment (see `container_env`).
+        self.base_env = None if base_env is None else dict(base_env)
         self.max_parallel = max_parallel or os.cpu_count() or 1
         self.cancel_grace_seconds = cancel_grace_seconds
         self.launch_count = 0
@@ -343,7 +306,7 @@ class LocalBackend:
     def _spawn(self, pod: _Pod) -> None:
         scratch = self.workspace / pod.job_id
         scratch.mkdir(parents=True, exist_ok=True)
-        mounts = _materialise_fuse_volumes(pod.manifest, scratch / "mnt")
+        mounts = materialise_fuse_volumes(pod.manifest, scratch / "mnt")
         count = local_host_count(pod.manifest)
         port = free_port() if count > 1 else 0
         try:
@@ -367,7 +330,9 @@ class LocalBackend:
     def _spawn_host(
         self, pod: _Pod, index: int, count: int, port: int, scratch: Path, mounts: Path | None
     ) -> _Host:
-        env = container_env(pod.manifest, pod.secrets, {_COMPLETION_INDEX_FIELD: str(index)})
+        env = container_env(
+            pod.manifest, pod.secrets, {_COMPLETION_INDEX_FIELD: str(index)}, self.base_env
+        )
         if count > 1:
             env.update(local_host_env(index, count, port))
         env["KINETIC_SCRATCH_DIR"] = str(scratch)
@@ -506,24 +471,6 @@ class LocalBackend:
             pod.on_exit(outcome)
         except Exception:
             logger.exception("Handling the exit of pod %s failed", pod.job_id)
-
-
-def _materialise_fuse_volumes(manifest: Mapping[str, Any], root: Path) -> Path | None:
-    """Realise the manifest's GCS FUSE volumes as read-only local copies under `root`."""
-    volumes = [
-        v
-        for v in manifest["spec"]["template"]["spec"].get("volumes", [])
-        if v.get("csi", {}).get("driver") == GCSFUSE_DRIVER
-    ]
-    for volume in volumes:
-        attributes = volume["csi"]["volumeAttributes"]
-        options = dict(
-            option.partition("=")[::2] for option in attributes.get("mountOptions", "").split(",")
-        )
-        materialise_fuse_volume(
-            attributes["bucketName"], options.get("only-dir", ""), root / volume["name"]
-        )
-    return root if volumes else None
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:

@@ -8,23 +8,21 @@ Kubernetes would (OOMKilled, evicted, preempted, deadline). As Kubernetes'
 TTL-after-finished controller does, it deletes a finished Job (and so its pods)
 `ttlSecondsAfterFinished` after the Job finished.
 
-API access from inside a pod (a flow-run pod launching its task pods): a real
-kubelet mounts the service account's token, and the client inside uses the
-in-cluster config. The emulator serves plain HTTP, which the in-cluster config
-cannot speak, so as a test-only stand-in a pod whose spec mounts its token
-(`automountServiceAccountToken`, true when unset, as in Kubernetes) gets
-`KUBECONFIG` pointing at a kubeconfig for the emulator whose bearer token is
-`service_account_token(namespace, account)`: the emulator's request log then
-says which service account made each request. Any other pod gets a `KUBECONFIG`
-that does not exist, so it cannot reach the cluster through the test's own.
+A container's environment is what its image sets plus its manifest's env, never
+the environment of whoever created the Job. So a pod run here starts from
+`image_env()`, what a python image sets: `PATH` (this interpreter's directory
+first, standing in for the image's `/usr/local/bin`, then the system
+directories), `HOME` (a directory of the kubelet's own, as a fresh container
+filesystem has) and `LANG=C.UTF-8`; then its manifest's env; then `KUBECONFIG`,
+the test-only stand-in for a mounted service-account token (tests/helpers/pod_env.py).
+Anything else a pod needs, such as the GCS emulator's address, must travel in
+the manifest as a user's settings would.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import copy
-import json
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -48,19 +46,18 @@ from tests.helpers.kube_objects import (
     unschedulable_status,
     waiting_status,
 )
+from tests.helpers.pod_env import (
+    image_env,
+    pod_kubeconfig,
+    secret_values,
+)
 
 KUBELET_AGENT = "test-kubelet"
-_NO_TOKEN_KUBECONFIG = "no-service-account-token/kubeconfig"
 
 
 def _finished(job: dict[str, Any]) -> bool:
     conditions = (job.get("status") or {}).get("conditions") or []
     return any(c["type"] in {"Complete", "Failed"} and c["status"] == "True" for c in conditions)
-
-
-def service_account_token(namespace: str, account: str) -> str:
-    """The bearer token the kubelet gives pods that run as `account` in `namespace`."""
-    return f"serviceaccount:{namespace}:{account}"
 
 
 @dataclass
@@ -87,9 +84,15 @@ class Kubelet:
 
     def __init__(self, emulator: ClusterEmulator, workspace: Path) -> None:
         self.emulator = emulator
-        self.local = LocalBackend(workspace, max_parallel=4, cancel_grace_seconds=5)
-        self.workspace = workspace
         workspace.mkdir(parents=True, exist_ok=True)
+        (workspace / "home").mkdir(exist_ok=True)
+        self.local = LocalBackend(
+            workspace,
+            max_parallel=4,
+            cancel_grace_seconds=5,
+            base_env=image_env(workspace / "home"),
+        )
+        self.workspace = workspace
         # Exceptions of the kubelet's own tasks: a broken kubelet must fail the test.
         self.errors: list[BaseException] = []
         self.nodes = [Node()]
@@ -269,39 +272,12 @@ class Kubelet:
             await self._pod_status(pod, running_status(image))
 
     def _pod_kubeconfig(self, pod: _Pod, pod_spec: dict[str, Any]) -> str:
-        """The stand-in for a mounted service-account token (see the module docstring)."""
-        if not pod_spec.get("automountServiceAccountToken", True):
-            return str(self.workspace / _NO_TOKEN_KUBECONFIG)
-        account = pod_spec.get("serviceAccountName") or "default"
-        path = self.workspace / "serviceaccounts" / f"{pod.namespace}.{account}.json"
-        token = service_account_token(pod.namespace, account)
-        config = {
-            "apiVersion": "v1",
-            "kind": "Config",
-            "clusters": [{"name": "kmock", "cluster": {"server": self._base_url}}],
-            "users": [{"name": account, "user": {"token": token}}],
-            "contexts": [{"name": "pod", "context": {"cluster": "kmock", "user": account}}],
-            "current-context": "pod",
-        }
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(config))
-        return str(path)
+        return pod_kubeconfig(self.workspace, self._base_url, pod.namespace, pod_spec)
 
     def _secret_values(self, pod: _Pod, pod_spec: dict[str, Any]) -> dict[str, dict[str, str]]:
-        values: dict[str, dict[str, str]] = {}
-        for item in pod_spec["containers"][0].get("env") or []:
-            ref = (item.get("valueFrom") or {}).get("secretKeyRef")
-            if ref is None:
-                continue
-            secret = self.emulator.find("secrets", pod.namespace, ref["name"])
-            if secret is None or ref["key"] not in (secret.get("data") or {}):
-                raise KeyError(
-                    f"couldn't find key {ref['key']} in Secret {pod.namespace}/{ref['name']}"
-                )
-            values.setdefault(ref["name"], {})[ref["key"]] = base64.b64decode(
-                secret["data"][ref["key"]]
-            ).decode()
-        return values
+        return secret_values(
+            lambda name: self.emulator.find("secrets", pod.namespace, name), pod.namespace, pod_spec
+        )
 
     async def _failed_create(self, pod: _Pod) -> None:
         event_name = f"{pod.job['metadata']['name']}.{secrets.token_hex(4)}"

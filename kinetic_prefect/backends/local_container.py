@@ -1,0 +1,86 @@
+"""What a local pod's container is made of: its command, its env and its FUSE volumes.
+
+The local backend runs a Job manifest's container as a process on this machine;
+this module turns the manifest into that process's command line and environment
+and realises its GCS FUSE volumes as local copies.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from kinetic_prefect.backends.base import Secrets
+from kinetic_prefect.data import materialise_fuse_volume
+from kinetic_prefect.manifest import GCSFUSE_DRIVER, container_of
+
+# Variables of the submitting process that must not leak into a pod: the pod's
+# Prefect settings and Kinetic settings come from its manifest only.
+_ISOLATED_PREFIXES = ("PREFECT_", "KINETIC_", "JAX_", "XLA_", "TPU_", "MEGASCALE_")
+
+
+def container_env(
+    manifest: Mapping[str, Any],
+    secrets: Secrets,
+    fields: Mapping[str, str] | None = None,
+    base_env: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The pod's environment: a base plus the manifest's env.
+
+    The base is `base_env` when given (what an image would set), else this
+    machine's environment without Prefect, Kinetic and accelerator settings.
+    `fields` gives the values of the fieldRefs the manifest uses, by field path.
+    """
+    if base_env is None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(_ISOLATED_PREFIXES)}
+    else:
+        env = dict(base_env)
+    for item in container_of(manifest).get("env", []):
+        if "value" in item:
+            env[item["name"]] = item["value"]
+            continue
+        field_ref = item["valueFrom"].get("fieldRef")
+        if field_ref is not None:
+            path = field_ref["fieldPath"]
+            if fields is None or path not in fields:
+                raise KeyError(f"The local backend cannot fill {item['name']} from {path}")
+            env[item["name"]] = fields[path]
+            continue
+        ref = item["valueFrom"]["secretKeyRef"]
+        try:
+            env[item["name"]] = secrets[ref["name"]][ref["key"]]
+        except KeyError as exc:
+            raise KeyError(
+                f"Secret {ref['name']}/{ref['key']} for {item['name']} was not provided"
+            ) from exc
+    return env
+
+
+def container_command(manifest: Mapping[str, Any]) -> list[str]:
+    """The container's command and args, run with this interpreter."""
+    container = container_of(manifest)
+    command = [*container.get("command", []), *container.get("args", [])]
+    if command and command[0] in {"python", "python3"}:
+        command[0] = sys.executable
+    return command
+
+
+def materialise_fuse_volumes(manifest: Mapping[str, Any], root: Path) -> Path | None:
+    """Realise the manifest's GCS FUSE volumes as read-only local copies under `root`."""
+    volumes = [
+        v
+        for v in manifest["spec"]["template"]["spec"].get("volumes", [])
+        if v.get("csi", {}).get("driver") == GCSFUSE_DRIVER
+    ]
+    for volume in volumes:
+        attributes = volume["csi"]["volumeAttributes"]
+        options = dict(
+            option.partition("=")[::2] for option in attributes.get("mountOptions", "").split(",")
+        )
+        materialise_fuse_volume(
+            attributes["bucketName"], options.get("only-dir", ""), root / volume["name"]
+        )
+    return root if volumes else None

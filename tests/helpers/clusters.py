@@ -1,0 +1,32 @@
+"""Saved `KineticCluster` blocks for tests.
+
+Pods import the test module that defines the task they run, so test modules
+with tasks keep Prefect collections (prefect-gcp, prefect-kubernetes: seconds
+per pod) out of their top-level imports; this helper imports them when called.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def gcs_cluster(gcs: Any, name: str, backend: str = "local") -> str:
+    """Save a KineticCluster with jobs and results in the test bucket; returns its name.
+
+    The cluster's `env` carries the emulator's address to its pods, as a user's
+    settings would carry anything a pod needs.
+    """
+    from prefect_gcp.cloud_storage import GcsBucket
+
+    from kinetic_prefect.blocks import KineticCluster, KineticGcpCredentials
+
+    GcsBucket(
+        bucket=gcs.name, bucket_folder="results", gcp_credentials=KineticGcpCredentials()
+    ).save(f"{name}-results", overwrite=True)
+    KineticCluster(
+        backend=backend,
+        jobs_bucket=gcs.uri,
+        result_storage=GcsBucket.load(f"{name}-results"),
+        env=gcs.pod_env,
+    ).save(name, overwrite=True)
+    return name
