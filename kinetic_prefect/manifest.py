@@ -21,6 +21,8 @@ LABEL_TASK_RUN_ID = "kinetic-prefect.io/task-run-id"
 LABEL_FLOW_RUN_ID = "kinetic-prefect.io/flow-run-id"
 # A digest of the flow run id and the task key (`identity.task_identity`): one live pod at most.
 LABEL_TASK_IDENTITY = "kinetic-prefect.io/task-identity"
+# On a warm pod's Job: after its first task it may run any task run of its flow run.
+LABEL_WARM = "kinetic-prefect.io/warm"
 ANNOTATION_ACCELERATOR = "kinetic-prefect.io/accelerator"
 ANNOTATION_TASK_NAME = "kinetic-prefect.io/task-name"
 ANNOTATION_OUTPUT_DIR = "kinetic-prefect.io/output-dir"

@@ -17,12 +17,21 @@ identity among them:
 - anything else (no pod, or one that failed, crashed or left no record) launches
   normally, and the new pod resumes from the checkpoint in `KINETIC_OUTPUT_DIR`.
 
+Warm pods are not reattached to: after its first task a warm pod may be running
+any task run of its flow run, handed over by the process that is gone. A live
+warm pod found this way is stopped as a cancel would (SIGTERM, its grace, then
+SIGKILL; on Kubernetes its Job deleted), and no task of the flow run launches
+before it has ended; the tasks it ran resume from their checkpoints.
+
 So at no moment do two pods run for one task identity, whatever restarted.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from prefect.logging import get_logger
@@ -69,17 +78,25 @@ class Reattacher:
         self._found: dict[tuple[int, str, str], dict[str, list[FoundPod]]] = {}
 
     def earlier_pods(
-        self, backend: Backend, flow_run_id: str, namespace: str
+        self, backend: Backend, flow_run_id: str, namespace: str, grace: float
     ) -> dict[str, list[FoundPod]]:
-        """The flow run's pods launched by other processes, by task identity (asked for once)."""
+        """The flow run's pods launched by other processes, by task identity (asked for once).
+
+        Live warm pods among them are stopped, and waited for, first.
+        """
         key = (id(backend), flow_run_id, namespace)
         with self._lock:  # concurrent submissions wait for the one request
             found = self._found.get(key)
             if found is None:
+                pods = backend.find_pods(flow_run_id, namespace)
+                warm = [pod for pod in pods if pod.warm and pod.live]
+                if warm:
+                    _stop_and_wait(backend, namespace, warm, grace)
                 found = {}
-                for pod in backend.find_pods(flow_run_id, namespace):
+                for pod in pods:
                     if pod.identity:
-                        found.setdefault(pod.identity, []).append(pod)
+                        ended = dataclasses.replace(pod, live=False) if pod in warm else pod
+                        found.setdefault(pod.identity, []).append(ended)
                 self._found[key] = found
         return found
 
@@ -91,7 +108,12 @@ class Reattacher:
         settings = launch.settings
         jobs_root = settings.resolved_jobs_root()
         backend = self._resources.backend_for(settings, jobs_root)
-        earlier = self.earlier_pods(backend, str(launch.task_run.flow_run_id), settings.namespace)
+        earlier = self.earlier_pods(
+            backend,
+            str(launch.task_run.flow_run_id),
+            settings.namespace,
+            settings.cancel_grace_seconds,
+        )
         pods = earlier.get(labels[LABEL_TASK_IDENTITY], [])
         if not pods:
             return False
@@ -161,3 +183,35 @@ class Reattacher:
     def _read_end(self, launch: TaskLaunch, store: ArtifactStore, outcome: PodExit) -> AttemptEnd:
         key = self._resources.signing_key(launch)
         return read_attempt_end(store, outcome.job_id, outcome, key)
+
+
+# Beyond the pods' grace: how long deleting a Job and seeing its pod end may take.
+_STOP_SLACK_SECONDS = 60.0
+
+
+def _setter(event: threading.Event) -> Callable[[PodExit], None]:
+    def on_exit(outcome: PodExit) -> None:
+        event.set()
+
+    return on_exit
+
+
+def _stop_and_wait(backend: Backend, namespace: str, pods: list[FoundPod], grace: float) -> None:
+    """End warm pods of an earlier process and return once every one has ended."""
+    ended = {pod.job_id: threading.Event() for pod in pods}
+    for pod in pods:
+        logger.info(
+            "Stopping warm pod %s of an earlier flow process before launching (its tasks "
+            "resume from their checkpoints)",
+            pod.job_id,
+        )
+        backend.adopt(pod.job_id, namespace, on_exit=_setter(ended[pod.job_id]))
+        backend.cancel(pod.job_id)
+    deadline = time.monotonic() + grace + _STOP_SLACK_SECONDS
+    for job_id, event in ended.items():
+        if not event.wait(max(0.0, deadline - time.monotonic())):
+            raise RuntimeError(
+                f"The warm pod {job_id} of an earlier flow process did not end within "
+                f"{grace + _STOP_SLACK_SECONDS:.0f}s of being stopped; delete it "
+                f"(`kinetic-prefect jobs cancel {job_id}`) and retry the flow run."
+            )

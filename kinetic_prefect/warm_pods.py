@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from prefect.logging import get_logger
 
 from kinetic_prefect.backends.base import Backend, PodExit
+from kinetic_prefect.manifest import LABEL_WARM
 from kinetic_prefect.pod import warm
 from kinetic_prefect.pod.records import (
     FINAL_STATE_JSON,
@@ -227,7 +228,10 @@ class WarmPods:
     def _start(self, pod: WarmPod, placement: Placement) -> None:
         # No activeDeadlineSeconds: the deadline is each task's, enforced here.
         spec = dataclasses.replace(
-            placement.spec, env=pod_env(pod, placement), timeout_seconds=None
+            placement.spec,
+            env=pod_env(pod, placement),
+            timeout_seconds=None,
+            extra_labels={**placement.spec.extra_labels, LABEL_WARM: "true"},
         )
         workload = build_workload(spec)
         launch = placement.launch

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from prefect.settings import get_current_settings
 
-from kinetic_prefect.manifest import LABEL_FLOW_RUN_ID, LABEL_TASK_IDENTITY
+from kinetic_prefect.manifest import LABEL_FLOW_RUN_ID, LABEL_TASK_IDENTITY, LABEL_WARM
 from tests.conftest import GcsTestBucket
 from tests.helpers.kube import KubeCluster
 from tests.helpers.waiting import wait_until
@@ -185,3 +185,23 @@ def test_a_restarted_flow_process_reattaches_to_its_running_job(
     assert resumed_from == 0  # the first pod's own result: it trained from step 0
     assert len(cluster.created_jobs()) == 1
     assert _most_pods_at_once(cluster, flow_run_id) == 1
+
+
+def test_a_restarted_flow_process_stops_its_predecessors_warm_pod_before_launching(
+    workdir: Path,
+):
+    options = {"orphan_timeout": RESTART_TIMEOUT, "steps": RESTART_STEPS, "warm": 1}
+    first, flow_run_id = _started_training(_local_checkpoints, **options)
+    _kill(first)
+    (warm_pod,) = _pod_records(workdir, flow_run_id)
+
+    restarted = time.time()
+    resumed_from = _result(_orchestrator("again", flow_run_id, **options))
+
+    old, *new = _pod_records(workdir, flow_run_id)
+    assert old["job_id"] == warm_pod["job_id"]
+    # Stopped at once: not left to finish its training and idle out its 120 s.
+    assert old["ended_at"] - restarted < 60
+    assert old["labels"][LABEL_WARM] == "true"
+    assert new and all(old["ended_at"] < pod["started_at"] for pod in new)
+    assert resumed_from >= 2  # the training, the warm pod's second task, resumed

@@ -52,6 +52,8 @@ class FoundPod:
     # Its end is still to come: pending, running, or ending (e.g. in its SIGTERM grace).
     live: bool
     launched_at: float
+    # A warm pod: it may be running any task run of its flow run, whatever its identity.
+    warm: bool = False
 
 
 OnExit = Callable[[PodExit], None]

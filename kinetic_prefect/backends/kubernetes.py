@@ -51,6 +51,7 @@ from kinetic_prefect.manifest import (
     LABEL_JOB_ID,
     LABEL_MANAGED_BY,
     LABEL_TASK_IDENTITY,
+    LABEL_WARM,
     MANAGED_BY,
 )
 from kinetic_prefect.slices import hosts_of
@@ -335,7 +336,8 @@ class KubernetesBackend(JobEnding):
             created = meta.get("creationTimestamp") or "1970-01-01T00:00:00Z"
             launched_at = datetime.datetime.fromisoformat(created.replace("Z", "+00:00"))
             identity = labels.get(LABEL_TASK_IDENTITY, "")
-            found.append(FoundPod(job_id, identity, not ended, launched_at.timestamp()))
+            warm = labels.get(LABEL_WARM) == "true"
+            found.append(FoundPod(job_id, identity, not ended, launched_at.timestamp(), warm))
         return sorted(found, key=lambda pod: pod.launched_at, reverse=True)
 
     async def _adopt(self, job: TrackedJob) -> None:

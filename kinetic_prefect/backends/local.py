@@ -20,21 +20,22 @@ import subprocess
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from prefect.logging import get_logger
 
 from kinetic_prefect.backends.base import FoundPod, OnExit, OnPending, PodExit, Secrets
+from kinetic_prefect.backends.local_adopted import AdoptedPods, signal_group
 from kinetic_prefect.backends.local_container import (
+    HostProcess,
+    PodProcess,
     container_command,
     container_env,
     materialise_fuse_volumes,
 )
 from kinetic_prefect.data import MOUNT_ROOT_ENV
-from kinetic_prefect.local_pods import pods_labelled, read_pod, record_launch, record_update
-from kinetic_prefect.manifest import LABEL_FLOW_RUN_ID, LABEL_TASK_IDENTITY
+from kinetic_prefect.local_pods import record_launch, record_update
 from kinetic_prefect.slices import (
     COMPLETION_INDEX_ANNOTATION,
     free_port,
@@ -45,46 +46,6 @@ from kinetic_prefect.slices import (
 logger = get_logger("kinetic_prefect.backends.local")
 
 _COMPLETION_INDEX_FIELD = f"metadata.annotations['{COMPLETION_INDEX_ANNOTATION}']"
-
-
-@dataclass
-class _Host:
-    """One host process of a pod (a single-host pod has one, host 0)."""
-
-    index: int
-    process: subprocess.Popen[bytes]
-    pidfd: int | None
-    log_path: Path
-
-
-@dataclass
-class _Pod:
-    job_id: str
-    manifest: dict[str, Any]
-    on_exit: OnExit
-    secrets: Secrets
-    log_path: Path
-    hosts: list[_Host] = field(default_factory=list)
-    # The first host that ended badly: its exit is the pod's.
-    failed_host: _Host | None = None
-    deadline: float | None = None
-    kill_at: float | None = None
-    cancelled: bool = False
-    deadline_exceeded: bool = False
-    launched_at: float = field(default_factory=time.monotonic)
-    started_at: float = 0.0
-
-
-@dataclass
-class _Adopted:
-    """A pod another process launched, watched here until it ends (not this process's child)."""
-
-    job_id: str
-    pid: int
-    pidfd: int
-    on_exit: OnExit
-    cancelled: bool = False
-    kill_at: float | None = None
 
 
 class LocalBackend:
@@ -114,10 +75,12 @@ class LocalBackend:
         self.cancel_grace_seconds = cancel_grace_seconds
         self.launch_count = 0
         self._lock = threading.Lock()
-        self._queued: collections.deque[_Pod] = collections.deque()
-        self._running: dict[str, _Pod] = {}
-        self._known: dict[str, _Pod] = {}
-        self._adopted: dict[str, _Adopted] = {}
+        self._queued: collections.deque[PodProcess] = collections.deque()
+        self._running: dict[str, PodProcess] = {}
+        self._known: dict[str, PodProcess] = {}
+        self._adopted = AdoptedPods(
+            self.workspace, cancel_grace_seconds, lambda job_id: self.logs(job_id, tail=20)
+        )
         self._wake_r, self._wake_w = os.pipe()
         self._watcher: threading.Thread | None = None
         self._closed = False
@@ -134,7 +97,7 @@ class LocalBackend:
     ) -> None:
         job_id = manifest["metadata"]["name"]
         self.workspace.mkdir(parents=True, exist_ok=True)
-        pod = _Pod(
+        pod = PodProcess(
             job_id=job_id,
             manifest=manifest,
             on_exit=on_exit,
@@ -153,11 +116,7 @@ class LocalBackend:
 
     def find_pods(self, flow_run_id: str, namespace: str = "") -> list[FoundPod]:
         """The recorded pods of the flow run that this backend did not launch, newest first."""
-        return [
-            FoundPod(p.job_id, p.labels.get(LABEL_TASK_IDENTITY, ""), p.alive(), p.launched_at)
-            for p in pods_labelled(self.workspace, LABEL_FLOW_RUN_ID, flow_run_id)
-            if p.job_id not in self._known and p.job_id not in self._adopted
-        ]
+        return self._adopted.find(flow_run_id, lambda job_id: job_id in self._known)
 
     def adopt(
         self,
@@ -167,50 +126,16 @@ class LocalBackend:
         on_pending: OnPending | None = None,
     ) -> None:
         """Watch the pod another process launched through its pidfd, until it ends."""
-        record = read_pod(self.workspace, job_id)
-        pidfd = None
-        if record is not None and record.alive() and record.pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                pidfd = os.pidfd_open(record.pid)
-        if record is None or record.pid is None or pidfd is None:
-            self._finish_adopted(_Adopted(job_id, 0, -1, on_exit))
-            return
         with self._lock:
             if self._closed:
-                os.close(pidfd)
                 raise RuntimeError("The local backend is closed; submit inside the flow run.")
-            self._adopted[job_id] = _Adopted(job_id, record.pid, pidfd, on_exit)
-            self._ensure_watcher()
-        self._wake()
-
-    def _finish_adopted(self, pod: _Adopted) -> None:
-        with self._lock:
-            self._adopted.pop(pod.job_id, None)
-        if pod.pidfd >= 0:
-            os.close(pod.pidfd)
-            # What the task left behind in the pod's process group goes with it.
-            _signal_group(pod.pid, signal.SIGKILL)
-        record_update(self.workspace, pod.job_id, ended=True, ended_at=time.time())
-        outcome = PodExit(
-            job_id=pod.job_id,
-            exit_code=None,
-            reason="it was launched by an earlier flow process, so its exit code is unknown",
-            cancelled=pod.cancelled,
-            log_tail=self.logs(pod.job_id, tail=20),
-        )
-        try:
-            pod.on_exit(outcome)
-        except Exception:
-            logger.exception("Handling the exit of pod %s failed", pod.job_id)
+        if self._adopted.adopt(job_id, on_exit):
+            with self._lock:
+                self._ensure_watcher()
+            self._wake()
 
     def cancel(self, job_id: str) -> None:
-        with self._lock:
-            adopted = self._adopted.get(job_id)
-            if adopted is not None and not adopted.cancelled:
-                adopted.cancelled = True
-                _signal_group(adopted.pid, signal.SIGTERM)
-                adopted.kill_at = time.monotonic() + self.cancel_grace_seconds
-        if adopted is not None:
+        if self._adopted.cancel(job_id):
             self._wake()
             return
         with self._lock:
@@ -256,7 +181,7 @@ class LocalBackend:
 
     def running(self) -> list[str]:
         with self._lock:
-            return [*self._running, *(p.job_id for p in self._queued), *self._adopted]
+            return [*self._running, *(p.job_id for p in self._queued), *self._adopted.ids()]
 
     def close(self) -> None:
         """Cancel every pod still queued or running and wait until all have exited."""
@@ -303,7 +228,7 @@ class LocalBackend:
                 pod.log_path.write_text(f"could not start the pod: {exc}\n")
                 self._finish(pod, exit_code=127, sig=None, reason=f"could not start: {exc}")
 
-    def _spawn(self, pod: _Pod) -> None:
+    def _spawn(self, pod: PodProcess) -> None:
         scratch = self.workspace / pod.job_id
         scratch.mkdir(parents=True, exist_ok=True)
         mounts = materialise_fuse_volumes(pod.manifest, scratch / "mnt")
@@ -314,7 +239,7 @@ class LocalBackend:
                 pod.hosts.append(self._spawn_host(pod, index, count, port, scratch, mounts))
         except BaseException:
             for host in pod.hosts:  # a slice starts whole or not at all
-                _signal_group(host.process.pid, signal.SIGKILL)
+                signal_group(host.process.pid, signal.SIGKILL)
                 if host.pidfd is not None:
                     os.close(host.pidfd)
                     host.pidfd = None
@@ -328,8 +253,8 @@ class LocalBackend:
             pod.deadline = time.monotonic() + float(deadline)
 
     def _spawn_host(
-        self, pod: _Pod, index: int, count: int, port: int, scratch: Path, mounts: Path | None
-    ) -> _Host:
+        self, pod: PodProcess, index: int, count: int, port: int, scratch: Path, mounts: Path | None
+    ) -> HostProcess:
         env = container_env(
             pod.manifest, pod.secrets, {_COMPLETION_INDEX_FIELD: str(index)}, self.base_env
         )
@@ -349,14 +274,14 @@ class LocalBackend:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        return _Host(index, process, os.pidfd_open(process.pid), log_path)
+        return HostProcess(index, process, os.pidfd_open(process.pid), log_path)
 
-    def _terminate(self, pod: _Pod) -> None:
+    def _terminate(self, pod: PodProcess) -> None:
         live = [h for h in pod.hosts if h.process.returncode is None]
         if not live:
             return
         for host in live:
-            _signal_group(host.process.pid, signal.SIGTERM)
+            signal_group(host.process.pid, signal.SIGTERM)
         pod.kill_at = time.monotonic() + self.cancel_grace_seconds
 
     def _next_timeout(self) -> float | None:
@@ -364,7 +289,7 @@ class LocalBackend:
             moments = [
                 m for p in self._running.values() for m in (p.deadline, p.kill_at) if m is not None
             ]
-            moments += [a.kill_at for a in self._adopted.values() if a.kill_at is not None]
+        moments += self._adopted.kill_moments()
         if not moments:
             return None
         return max(0.0, min(moments) - time.monotonic())
@@ -381,7 +306,7 @@ class LocalBackend:
                     for h in p.hosts
                     if h.pidfd is not None
                 }
-                adopted = {a.pidfd: a for a in self._adopted.values()}
+            adopted = self._adopted.by_fd()
             readable, _, _ = select.select(
                 [self._wake_r, *by_fd, *adopted], [], [], self._next_timeout()
             )
@@ -391,17 +316,14 @@ class LocalBackend:
                 if fd in by_fd:
                     self._reap(*by_fd[fd])
                 elif fd in adopted:
-                    self._finish_adopted(adopted[fd])
+                    self._adopted.finish(adopted[fd])
             self._enforce_deadlines()
 
     def _enforce_deadlines(self) -> None:
         now = time.monotonic()
         with self._lock:
             pods = list(self._running.values())
-            for adopted in self._adopted.values():
-                if adopted.kill_at is not None and now >= adopted.kill_at:
-                    _signal_group(adopted.pid, signal.SIGKILL)
-                    adopted.kill_at = None
+        self._adopted.kill_overdue(now)
         for pod in pods:
             if pod.deadline is not None and now >= pod.deadline and pod.kill_at is None:
                 pod.deadline_exceeded = True
@@ -409,13 +331,13 @@ class LocalBackend:
                     self._terminate(pod)
             if pod.kill_at is not None and now >= pod.kill_at:
                 for host in pod.hosts:
-                    _signal_group(host.process.pid, signal.SIGKILL)
+                    signal_group(host.process.pid, signal.SIGKILL)
                 pod.kill_at = None
 
-    def _reap(self, pod: _Pod, host: _Host) -> None:
+    def _reap(self, pod: PodProcess, host: HostProcess) -> None:
         code = host.process.wait()
         # Children the task left behind share the process group: end them too.
-        _signal_group(host.process.pid, signal.SIGKILL)
+        signal_group(host.process.pid, signal.SIGKILL)
         if host.pidfd is not None:
             os.close(host.pidfd)
             host.pidfd = None
@@ -424,7 +346,7 @@ class LocalBackend:
             pod.failed_host = host
             for other in pod.hosts:
                 if other is not host:
-                    _signal_group(other.process.pid, signal.SIGKILL)
+                    signal_group(other.process.pid, signal.SIGKILL)
         if any(h.pidfd is not None for h in pod.hosts):
             return
         with self._lock:
@@ -447,7 +369,7 @@ class LocalBackend:
 
     def _finish(
         self,
-        pod: _Pod,
+        pod: PodProcess,
         exit_code: int | None,
         sig: int | None,
         reason: str = "",
@@ -471,8 +393,3 @@ class LocalBackend:
             pod.on_exit(outcome)
         except Exception:
             logger.exception("Handling the exit of pod %s failed", pod.job_id)
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)

@@ -1,4 +1,4 @@
-"""What a local pod's container is made of: its command, its env and its FUSE volumes.
+"""What a local pod is made of: its processes, its command, its env and its FUSE volumes.
 
 The local backend runs a Job manifest's container as a process on this machine;
 this module turns the manifest into that process's command line and environment
@@ -8,12 +8,15 @@ and realises its GCS FUSE volumes as local copies.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+import time
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kinetic_prefect.backends.base import Secrets
+from kinetic_prefect.backends.base import OnExit, Secrets
 from kinetic_prefect.data import materialise_fuse_volume
 from kinetic_prefect.manifest import GCSFUSE_DRIVER, container_of
 
@@ -84,3 +87,33 @@ def materialise_fuse_volumes(manifest: Mapping[str, Any], root: Path) -> Path | 
             attributes["bucketName"], options.get("only-dir", ""), root / volume["name"]
         )
     return root if volumes else None
+
+
+@dataclass
+class HostProcess:
+    """One host process of a pod (a single-host pod has one, host 0)."""
+
+    index: int
+    process: subprocess.Popen[bytes]
+    pidfd: int | None
+    log_path: Path
+
+
+@dataclass
+class PodProcess:
+    """A pod as the local backend runs it: its hosts' processes and how it is ending."""
+
+    job_id: str
+    manifest: dict[str, Any]
+    on_exit: OnExit
+    secrets: Secrets
+    log_path: Path
+    hosts: list[HostProcess] = field(default_factory=list)
+    # The first host that ended badly: its exit is the pod's.
+    failed_host: HostProcess | None = None
+    deadline: float | None = None
+    kill_at: float | None = None
+    cancelled: bool = False
+    deadline_exceeded: bool = False
+    launched_at: float = field(default_factory=time.monotonic)
+    started_at: float = 0.0

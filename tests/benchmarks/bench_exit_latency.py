@@ -31,6 +31,7 @@ from prefect.testing.utilities import prefect_test_harness  # noqa: E402
 
 import kinetic_prefect.backends.local as local_backend  # noqa: E402
 from kinetic_prefect import KineticTaskRunner  # noqa: E402
+from kinetic_prefect.backends.local_container import HostProcess, PodProcess  # noqa: E402
 
 WORKERS = 2
 
@@ -42,7 +43,7 @@ _resolved: dict[str, float] = {}
 
 
 class _TimedLocalBackend(local_backend.LocalBackend):
-    def _reap(self, pod: local_backend._Pod, host: local_backend._Host) -> None:
+    def _reap(self, pod: PodProcess, host: HostProcess) -> None:
         # First thing the watcher does once the pidfd is readable: the pod has exited.
         _reaped[pod.job_id] = time.time()
         super()._reap(pod, host)

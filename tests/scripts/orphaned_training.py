@@ -7,7 +7,9 @@ flow process restarted for it).
 Environment: `ORPHANED_TRAINING_CLUSTER` names a saved gke `KineticCluster` (the tests'
 kmock cluster; local backend without it), `ORPHANED_TRAINING_ORPHAN_TIMEOUT` the runner's
 `orphan_timeout_seconds` (4), `ORPHANED_TRAINING_STEPS` the steps to train (60) and
-`ORPHANED_TRAINING_TTL` the Jobs' `ttl_seconds_after_finished` on gke (2).
+`ORPHANED_TRAINING_TTL` the Jobs' `ttl_seconds_after_finished` on gke (2), and
+`ORPHANED_TRAINING_WARM=1` gives the runner warm pods and has the flow run a short task
+first, so the training is the warm pod's second task.
 """
 
 from __future__ import annotations
@@ -38,14 +40,23 @@ def train_slowly(steps: int) -> int:
     return start
 
 
+@task
+def warm_up() -> int:
+    return os.getpid()
+
+
 @flow
 def orphaned_training(steps: int) -> int:
+    if os.environ.get("ORPHANED_TRAINING_WARM"):
+        warm_up.submit().result()
     return train_slowly.submit(steps).result()
 
 
 def _runner() -> KineticTaskRunner:
     timeout = float(os.environ.get("ORPHANED_TRAINING_ORPHAN_TIMEOUT") or 4)
-    options = {"orphan_timeout_seconds": timeout, "cancel_grace_seconds": 2}
+    options: dict[str, object] = {"orphan_timeout_seconds": timeout, "cancel_grace_seconds": 2}
+    if os.environ.get("ORPHANED_TRAINING_WARM"):
+        options.update(warm_pods=True, warm_pod_idle_seconds=120)
     cluster = os.environ.get("ORPHANED_TRAINING_CLUSTER")
     if not cluster:
         return KineticTaskRunner(**options)
