@@ -90,7 +90,9 @@ def test_an_archive_without_its_marker_is_uploaded_again(tmp_path: Path):
 
 @pytest.mark.usefixtures("prefect_api")
 def test_a_sweep_of_four_tasks_uploads_its_code_archive_once(gcs, recording_proxy):
-    @flow(task_runner=KineticTaskRunner(cluster=gcs_cluster(gcs, "code-cache-sweep")))
+    runner = KineticTaskRunner(cluster=gcs_cluster(gcs, "code-cache-sweep"), warm_pods=True)
+
+    @flow(task_runner=runner)
     def sweep() -> list[int]:
         return [future.result() for future in cube.map([1, 2, 3, 4])]
 

@@ -174,7 +174,7 @@ def _wait_for_forms(runner: object) -> list[object]:
 
 
 def test_wait_for_a_single_future_and_allow_failure_behave_as_with_thread_pool():
-    kinetic = _wait_for_forms(KineticTaskRunner())
+    kinetic = _wait_for_forms(KineticTaskRunner(warm_pods=True))
 
     assert kinetic == _wait_for_forms(ThreadPoolTaskRunner())
     assert kinetic == [11, 21, ("PENDING", "NotReady")]
@@ -239,7 +239,8 @@ def test_as_completed_yields_futures_in_the_order_they_finish(tmp_path):
 
 
 def test_thirty_tasks_run_without_crashing():
-    @flow(task_runner=KineticTaskRunner())
+    # Warm pods: thirty hand-overs between tasks, at two pods' start-up cost.
+    @flow(task_runner=KineticTaskRunner(warm_pods=True))
     def run() -> list[int]:
         return [f.result() for f in plus_one.map(range(30))]
 

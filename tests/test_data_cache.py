@@ -60,7 +60,8 @@ def test_64_mib_file_and_300_mib_tree_are_verified_in_the_pod_uploaded_once_hash
     rng = random.Random(7)
     big = _write_random(workdir / "weights.bin", 64 * MIB, rng)
     tree = _mixed_tree(workdir / "corpus", rng)
-    runner = KineticTaskRunner(cluster=gcs_cluster(gcs, "data-big"), max_parallel=4)
+    # Warm pods: each task still resolves its Data in the pod, without a cold start each.
+    runner = KineticTaskRunner(cluster=gcs_cluster(gcs, "data-big"), max_parallel=4, warm_pods=True)
 
     @flow(task_runner=runner)
     def run() -> tuple[object, int, list[int], list[str], int]:
