@@ -31,7 +31,7 @@ pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
 # The pods' watchdog looks every orphan_timeout/4 s, at most every 15 s.
 ORPHAN_TIMEOUT = 60
 LOOK_EVERY = ORPHAN_TIMEOUT / 4
-OPTIONS = {"orphan_timeout": ORPHAN_TIMEOUT, "steps": 400}
+OPTIONS = {"orphan_timeout": ORPHAN_TIMEOUT, "steps": 200, "pause": 1.0}
 
 
 def _cancel(flow_run_id: str) -> float:

@@ -36,7 +36,10 @@ SIGTERM_SLACK = 15
 TTL = 2
 # Long enough that a restarted flow process finds the pod still running.
 RESTART_TIMEOUT = 90
-RESTART_STEPS = 80
+# Few checkpoints (each costs CPU), far apart: the pod outlives the restart by ~25 s.
+RESTART = {"orphan_timeout": RESTART_TIMEOUT, "steps": 30, "pause": 1.0}
+# A killed process's pod trains on past its orphan timeout unless it ends itself.
+KILLED = {"steps": 24, "pause": 0.5}
 
 
 def _orchestrator(*args: str, cluster: str = "", **env: object) -> subprocess.Popen[str]:
@@ -106,12 +109,12 @@ def _live_pods(workdir: Path, flow_run_id: str) -> list[int]:
 def test_a_killed_flow_processs_local_pod_ends_in_time_and_a_rerun_resumes_after_it(
     workdir: Path,
 ):
-    first, flow_run_id = _started_training(_local_checkpoints)
+    first, flow_run_id = _started_training(_local_checkpoints, **KILLED)
     killed = _kill(first)
     wait_until(lambda: not _live_pods(workdir, flow_run_id), 60, "the orphaned pod to end")
     ended, took = time.time(), time.monotonic() - killed
 
-    resumed_from = _result(_orchestrator("again", flow_run_id))
+    resumed_from = _result(_orchestrator("again", flow_run_id, **KILLED))
 
     old, new = _pod_records(workdir, flow_run_id)
     assert took < ORPHAN_TIMEOUT + SIGTERM_SLACK
@@ -121,7 +124,7 @@ def test_a_killed_flow_processs_local_pod_ends_in_time_and_a_rerun_resumes_after
 
 
 def test_a_restarted_local_flow_process_reattaches_to_its_running_pod(workdir: Path):
-    options = {"orphan_timeout": RESTART_TIMEOUT, "steps": RESTART_STEPS}
+    options = RESTART
     first, flow_run_id = _started_training(_local_checkpoints, **options)
     _kill(first)
 
@@ -160,12 +163,12 @@ def _most_pods_at_once(cluster: KubeCluster, flow_run_id: str) -> int:
 def test_a_killed_flow_processs_job_is_gone_in_time_and_a_rerun_resumes_after_it(
     gke: str, cluster: KubeCluster, gcs: GcsTestBucket
 ):
-    first, flow_run_id = _started_training(_gcs_checkpoints(gcs), cluster=gke)
+    first, flow_run_id = _started_training(_gcs_checkpoints(gcs), cluster=gke, **KILLED)
     killed = _kill(first)
     wait_until(lambda: not cluster.jobs(), 90, "the orphaned Job to be deleted")
     took = time.monotonic() - killed
 
-    resumed_from = _result(_orchestrator("again", flow_run_id, cluster=gke))
+    resumed_from = _result(_orchestrator("again", flow_run_id, cluster=gke, **KILLED))
 
     assert took < ORPHAN_TIMEOUT + SIGTERM_SLACK + TTL
     assert resumed_from >= 2
@@ -176,7 +179,7 @@ def test_a_killed_flow_processs_job_is_gone_in_time_and_a_rerun_resumes_after_it
 def test_a_restarted_flow_process_reattaches_to_its_running_job(
     gke: str, cluster: KubeCluster, gcs: GcsTestBucket
 ):
-    options = {"orphan_timeout": RESTART_TIMEOUT, "steps": RESTART_STEPS}
+    options = RESTART
     first, flow_run_id = _started_training(_gcs_checkpoints(gcs), cluster=gke, **options)
     _kill(first)
 
@@ -190,7 +193,7 @@ def test_a_restarted_flow_process_reattaches_to_its_running_job(
 def test_a_restarted_flow_process_stops_its_predecessors_warm_pod_before_launching(
     workdir: Path,
 ):
-    options = {"orphan_timeout": RESTART_TIMEOUT, "steps": RESTART_STEPS, "warm": 1}
+    options = {**RESTART, "warm": 1}
     first, flow_run_id = _started_training(_local_checkpoints, **options)
     _kill(first)
     (warm_pod,) = _pod_records(workdir, flow_run_id)

@@ -6,7 +6,8 @@ flow process restarted for it).
 
 Environment: `ORPHANED_TRAINING_CLUSTER` names a saved gke `KineticCluster` (the tests'
 kmock cluster; local backend without it), `ORPHANED_TRAINING_ORPHAN_TIMEOUT` the runner's
-`orphan_timeout_seconds` (4), `ORPHANED_TRAINING_STEPS` the steps to train (60) and
+`orphan_timeout_seconds` (4), `ORPHANED_TRAINING_STEPS` the steps to train (60),
+`ORPHANED_TRAINING_PAUSE` the seconds between steps (0.2),
 `ORPHANED_TRAINING_TTL` the Jobs' `ttl_seconds_after_finished` on gke (2), and
 `ORPHANED_TRAINING_WARM=1` gives the runner warm pods and has the flow run a short task
 first, so the training is the warm pod's second task.
@@ -26,7 +27,7 @@ from kinetic_prefect import KineticTaskRunner, checkpoint_manager
 
 
 @task
-def train_slowly(steps: int) -> int:
+def train_slowly(steps: int, pause: float) -> int:
     import jax.numpy as jnp
     import orbax.checkpoint as ocp
 
@@ -36,7 +37,7 @@ def train_slowly(steps: int) -> int:
     for step in range(start, steps):
         manager.save(step, args=ocp.args.StandardSave({"step": jnp.asarray(step)}))
         manager.wait_until_finished()
-        time.sleep(0.2)
+        time.sleep(pause)
     return start
 
 
@@ -49,7 +50,8 @@ def warm_up() -> int:
 def orphaned_training(steps: int) -> int:
     if os.environ.get("ORPHANED_TRAINING_WARM"):
         warm_up.submit().result()
-    return train_slowly.submit(steps).result()
+    pause = float(os.environ.get("ORPHANED_TRAINING_PAUSE") or 0.2)
+    return train_slowly.submit(steps, pause).result()
 
 
 def _runner() -> KineticTaskRunner:
