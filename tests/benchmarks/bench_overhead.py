@@ -125,17 +125,19 @@ def _gcs_requests(n: int) -> dict[str, float]:
 
     from kinetic_prefect import gcs as kgcs
     from tests.conftest import GcsTestBucket
+    from tests.helpers.clusters import gcs_cluster
     from tests.helpers.gcs import FaultInjectingProxy, fake_gcs_server
-    from tests.test_results_and_retries import _gcs_cluster
 
     per_task: dict[str, float] = {}
     with fake_gcs_server() as upstream, FaultInjectingProxy(upstream, every=None) as proxy:
-        os.environ["STORAGE_EMULATOR_HOST"] = proxy.url
+        emulator_env = {"STORAGE_EMULATOR_HOST": proxy.url, "TENSORSTORE_GCS_HTTP_URL": proxy.url}
+        os.environ.update(emulator_env)
         kgcs._clients.clear()
         client = kgcs.storage_client()
         for label, warm in (("cold", False), ("warm", True)):
             bucket = client.create_bucket(f"kp-bench-{uuid.uuid4().hex[:10]}")
-            cluster = _gcs_cluster(GcsTestBucket(bucket.name, client), f"bench-{label}")
+            test_bucket = GcsTestBucket(bucket.name, client, emulator_env)
+            cluster = gcs_cluster(test_bucket, f"bench-{label}")
             runner = KineticTaskRunner(cluster=cluster, max_parallel=WORKERS, warm_pods=warm)
             before = proxy.requests
             _time_runner(runner, n)
