@@ -65,6 +65,16 @@ def record_update(pods: Path, job_id: str, **fields: Any) -> None:
         _write(path, {**record, **fields})
 
 
+def process_start_ticks(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks since boot (None: there is no such process)."""
+    try:
+        stat = Path("/proc", str(pid), "stat").read_text()
+    except OSError:
+        return None
+    # Fields after the command name, which is in parentheses and may hold spaces.
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
 @dataclass(frozen=True)
 class LocalPod:
     """One local pod as its record and log show it."""
@@ -76,6 +86,8 @@ class LocalPod:
     ended: bool
     exit_code: int | None
     log_path: Path
+    # When the process started (`process_start_ticks`), to tell it from a later one with its pid.
+    pid_start: int | None = None
 
     @property
     def started(self) -> bool:
@@ -99,8 +111,10 @@ class LocalPod:
             # A pidfd is readable once the process has exited, even while it is a zombie.
             if select.select([pidfd], [], [], 0)[0]:
                 return False
-            with contextlib.suppress(OSError):
-                # A reused pid belongs to another process: this pod is gone.
+            # A reused pid belongs to another process: this pod is gone.
+            if self.pid_start is not None:
+                return process_start_ticks(self.pid) == self.pid_start
+            with contextlib.suppress(OSError):  # a record written before start times were
                 environ = Path("/proc", str(self.pid), "environ").read_bytes().split(b"\0")
                 return f"KINETIC_JOB_ID={self.job_id}".encode() in environ
             return True
@@ -121,6 +135,7 @@ def read_pod(pods: Path, job_id: str) -> LocalPod | None:
         ended=bool(record.get("ended")),
         exit_code=record.get("exit_code"),
         log_path=pods / f"{job_id}.log",
+        pid_start=record.get("pid_start"),
     )
 
 

@@ -320,3 +320,19 @@ def register_deferred(base: type, entries: Mapping[str, str]) -> None:
     for key, module in entries.items():
         if not dict.__contains__(registry, key):
             registry.deferred[key] = module
+
+
+def reload_prefect_settings() -> None:
+    """Read Prefect's settings and logging configuration again from this process's environment.
+
+    For a process whose environment was replaced after `import prefect` (a pod
+    forked from the local backend's template). Prefect keeps the settings it
+    read at import in its global settings context; `refresh_global_settings_context`
+    is how Prefect itself rereads them after plugins set variables. The test
+    `test_a_forked_pod_reads_prefect_settings_from_its_own_environment` fails if that changes.
+    """
+    from prefect import context
+    from prefect.logging.configuration import setup_logging
+
+    context.refresh_global_settings_context()
+    setup_logging(incremental=False)

@@ -57,6 +57,10 @@ from tests.helpers.pod_env import service_account_token
 from tests.helpers.prefect_server import PrefectServer, prefect_server, prefect_worker
 from tests.helpers.waiting import wait_until
 
+# `make test` sends a group to one pytest worker: the module's server, pool and worker
+# start once, not on every worker.
+pytestmark = pytest.mark.xdist_group("worker-stack")
+
 REPO = Path(__file__).resolve().parents[1]
 POOL = "kinetic"  # the pool deployments/prefect.yaml deploys to
 SWEEP = "quickstart-sweep/sweep"
@@ -177,9 +181,12 @@ def pod_job_id(client: Any, task_run_id: uuid.UUID) -> str:
 
 
 def run_sweep(client: Any, parameters: dict[str, Any], **job_variables: Any) -> FlowRun:
+    # Task pods start as fresh processes: `pod_processes` finds them by the environment
+    # in /proc, which for a pod forked from the local template is the template's.
+    job_variables.setdefault("env", {"KINETIC_LOCAL_TEMPLATE": "0"})
     deployment = client.read_deployment_by_name(SWEEP)
     return client.create_flow_run_from_deployment(
-        deployment.id, parameters=parameters, job_variables=job_variables or None
+        deployment.id, parameters=parameters, job_variables=job_variables
     )
 
 

@@ -16,7 +16,6 @@ import contextlib
 import os
 import select
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -33,9 +32,10 @@ from kinetic_prefect.backends.local_container import (
     container_command,
     container_env,
     materialise_fuse_volumes,
+    start_process,
 )
 from kinetic_prefect.data import MOUNT_ROOT_ENV
-from kinetic_prefect.local_pods import record_launch, record_update
+from kinetic_prefect.local_pods import process_start_ticks, record_launch, record_update
 from kinetic_prefect.slices import (
     COMPLETION_INDEX_ANNOTATION,
     free_port,
@@ -221,6 +221,9 @@ class LocalBackend:
                 self._running[pod.job_id] = pod
             try:
                 self._spawn(pod)
+                with self._lock:
+                    if pod.cancelled:  # cancelled while its processes were starting
+                        self._terminate(pod)
             except Exception as exc:
                 logger.error("Could not start pod %s: %s", pod.job_id, exc)
                 with self._lock:
@@ -245,8 +248,13 @@ class LocalBackend:
                     host.pidfd = None
             raise
         pod.started_at = time.monotonic()
+        pid = pod.hosts[0].process.pid
         record_update(
-            self.workspace, pod.job_id, pid=pod.hosts[0].process.pid, started_at=time.time()
+            self.workspace,
+            pod.job_id,
+            pid=pid,
+            pid_start=process_start_ticks(pid),
+            started_at=time.time(),
         )
         deadline = pod.manifest["spec"].get("activeDeadlineSeconds")
         if deadline:
@@ -264,17 +272,8 @@ class LocalBackend:
         if mounts:
             env[MOUNT_ROOT_ENV] = str(mounts)
         log_path = self._log_path(pod.job_id, index)
-        with open(log_path, "ab") as log:
-            process = subprocess.Popen(
-                container_command(pod.manifest),
-                env=env,
-                cwd=scratch,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        return HostProcess(index, process, os.pidfd_open(process.pid), log_path)
+        process, pidfd = start_process(container_command(pod.manifest), env, scratch, log_path)
+        return HostProcess(index, process, pidfd, log_path)
 
     def _terminate(self, pod: PodProcess) -> None:
         live = [h for h in pod.hosts if h.process.returncode is None]
@@ -352,7 +351,7 @@ class LocalBackend:
         with self._lock:
             self._running.pop(pod.job_id, None)
         ended = pod.failed_host or pod.hosts[0]
-        code = ended.process.returncode
+        code = ended.process.wait()
         sig = -code if code < 0 else None
         reason = "DeadlineExceeded" if pod.deadline_exceeded else ""
         # A SIGTERM the runner did not send is the local stand-in for a preemption.

@@ -16,9 +16,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prefect.logging import get_logger
+
 from kinetic_prefect.backends.base import OnExit, Secrets
+from kinetic_prefect.backends.local_template import TemplateChild, forkable, templates
 from kinetic_prefect.data import materialise_fuse_volume
 from kinetic_prefect.manifest import GCSFUSE_DRIVER, container_of
+
+logger = get_logger("kinetic_prefect.backends.local")
 
 # Variables of the submitting process that must not leak into a pod: the pod's
 # Prefect settings and Kinetic settings come from its manifest only.
@@ -71,6 +76,31 @@ def container_command(manifest: Mapping[str, Any]) -> list[str]:
     return command
 
 
+def start_process(
+    command: list[str], env: Mapping[str, str], cwd: Path, log_path: Path
+) -> tuple[subprocess.Popen[bytes] | TemplateChild, int]:
+    """Start one host process of a pod, forked from a template when it can be; it and its pidfd.
+
+    Either way it leads a session of its own and writes stdout and stderr to `log_path`.
+    """
+    if forkable(command):
+        try:
+            return templates.spawn(command, env, cwd, log_path)
+        except OSError as exc:
+            logger.warning("Starting a pod as a fresh process (%s): %s", log_path.stem, exc)
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen(
+            command,
+            env=dict(env),
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    return process, os.pidfd_open(process.pid)
+
+
 def materialise_fuse_volumes(manifest: Mapping[str, Any], root: Path) -> Path | None:
     """Realise the manifest's GCS FUSE volumes as read-only local copies under `root`."""
     volumes = [
@@ -94,7 +124,7 @@ class HostProcess:
     """One host process of a pod (a single-host pod has one, host 0)."""
 
     index: int
-    process: subprocess.Popen[bytes]
+    process: subprocess.Popen[bytes] | TemplateChild
     pidfd: int | None
     log_path: Path
 
