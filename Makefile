@@ -46,10 +46,11 @@ e2e: $(VENV)/.synced
 demo-stop: $(VENV)/.synced
 	$(VENV)/bin/python deployments/local_server.py --stop
 
-# Two pytest workers share the suite; tests marked `alone` (timing bounds) then run by
-# themselves. Either run failing, or collecting no test (pytest's exit 5), fails.
+# Four pytest workers share the suite (many cases wait on pods and timeouts rather than
+# use a CPU); tests marked `alone` (timing bounds) then run by themselves. Either run
+# failing, or collecting no test (pytest's exit 5), fails.
 test: $(VENV)/.synced
-	$(VENV)/bin/python -m pytest -n 2 --dist loadgroup -m "not alone"
+	$(VENV)/bin/python -m pytest -n 4 -m "not alone"
 	$(VENV)/bin/python -m pytest -m alone
 
 lint: $(VENV)/.synced

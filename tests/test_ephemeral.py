@@ -28,7 +28,10 @@ print("RESULT " + json.dumps({"results": squares(), "flow_pid": os.getpid()}))
 def test_runner_with_no_settings_runs_pods_in_prefect_ephemeral_mode(tmp_path: Path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "KINETIC_"))}
     env.update(
-        PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false"
+        PREFECT_HOME=str(tmp_path / "prefect-home"),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        # Prefect's 20 s for its ephemeral server to answer is short on a busy two-core machine.
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="120",
     )
 
     result = subprocess.run(
@@ -39,7 +42,8 @@ def test_runner_with_no_settings_runs_pods_in_prefect_ephemeral_mode(tmp_path: P
         text=True,
         timeout=240,
     )
-    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
+    line = next((line for line in result.stdout.splitlines() if line.startswith("RESULT ")), "")
+    assert line, f"the flow exited with {result.returncode}:\n{result.stderr[-3000:]}"
     outcome = json.loads(line.removeprefix("RESULT "))
 
     assert [value for value, _ in outcome["results"]] == [1, 4, 9]

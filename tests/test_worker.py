@@ -57,10 +57,6 @@ from tests.helpers.pod_env import service_account_token
 from tests.helpers.prefect_server import PrefectServer, prefect_server, prefect_worker
 from tests.helpers.waiting import wait_until
 
-# `make test` sends a group to one pytest worker: the module's server, pool and worker
-# start once, not on every worker.
-pytestmark = pytest.mark.xdist_group("worker-stack")
-
 REPO = Path(__file__).resolve().parents[1]
 POOL = "kinetic"  # the pool deployments/prefect.yaml deploys to
 SWEEP = "quickstart-sweep/sweep"
@@ -180,13 +176,15 @@ def pod_job_id(client: Any, task_run_id: uuid.UUID) -> str:
     raise AssertionError(f"task run {task_run_id} has no Kinetic pod artifact")
 
 
+# Task pods that start as fresh processes: `pod_processes` finds pods by their environment
+# in /proc, which for a pod forked from the local template is the template's.
+FRESH_TASK_PODS = {"env": {"KINETIC_LOCAL_TEMPLATE": "0"}}
+
+
 def run_sweep(client: Any, parameters: dict[str, Any], **job_variables: Any) -> FlowRun:
-    # Task pods start as fresh processes: `pod_processes` finds them by the environment
-    # in /proc, which for a pod forked from the local template is the template's.
-    job_variables.setdefault("env", {"KINETIC_LOCAL_TEMPLATE": "0"})
     deployment = client.read_deployment_by_name(SWEEP)
     return client.create_flow_run_from_deployment(
-        deployment.id, parameters=parameters, job_variables=job_variables
+        deployment.id, parameters=parameters, job_variables=job_variables or None
     )
 
 
@@ -287,7 +285,7 @@ def test_cancelling_a_running_flow_run_stops_its_flow_and_task_pods_within_the_g
     stack: Stack,
 ):
     with stack.server.client() as client:
-        flow_run = run_sweep(client, ENDLESS_TRIAL)
+        flow_run = run_sweep(client, ENDLESS_TRIAL, **FRESH_TASK_PODS)
         wait_until(
             lambda: (
                 {"flow", "train"}
@@ -342,7 +340,9 @@ def test_a_flow_pod_past_its_deadline_is_stopped_with_its_pods_and_its_run_crash
     stack: Stack,
 ):
     with stack.server.client() as client:
-        flow_run = run_sweep(client, ENDLESS_TRIAL, timeout_seconds=DEADLINE_SECONDS)
+        flow_run = run_sweep(
+            client, ENDLESS_TRIAL, timeout_seconds=DEADLINE_SECONDS, **FRESH_TASK_PODS
+        )
 
         final = wait_for_final_state(stack, client, flow_run.id)
         wait_until(

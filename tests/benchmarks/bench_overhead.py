@@ -4,10 +4,12 @@ Run: `make bench` or `.venv/bin/python tests/benchmarks/bench_overhead.py [N]`.
 
 All runners map the same trivial task over N inputs in one run, against one
 real Prefect API, so the ratios compare like with like on a noisy machine.
-The second table is where a local pod's time goes, from the timings each task
-records in its `final-state.json`, for cold pods and for tasks on warm pods
-(`warm_pods=True`). Then a run mixing two pod specs shows that warm pods are
-shared only within a spec, and a run with the jobs store on fake-gcs-server
+Cold pods fork from the local backend's preloaded template (`docs/local-pods.md`);
+the "fresh" row starts each as a new Python instead. The second table is where
+a local pod's time goes, from the timings each task records in its
+`final-state.json`, for cold pods and for tasks on warm pods (`warm_pods=True`).
+Then a run mixing two pod specs shows that warm pods are shared only
+within a spec, and a run with the jobs store on fake-gcs-server
 (through a counting proxy) prints the GCS requests per task, cold and warm.
 """
 
@@ -29,6 +31,7 @@ from prefect.task_runners import ProcessPoolTaskRunner, ThreadPoolTaskRunner  # 
 from prefect.testing.utilities import prefect_test_harness  # noqa: E402
 
 from kinetic_prefect import KineticTaskRunner, resources  # noqa: E402
+from kinetic_prefect.backends.local_template import TEMPLATE_ENV  # noqa: E402
 
 WORKERS = 2
 
@@ -148,7 +151,7 @@ def _gcs_requests(n: int) -> dict[str, float]:
 def main(n: int = 20) -> None:
     workdir = Path(tempfile.mkdtemp(prefix="kinetic-bench-"))
     os.chdir(workdir)
-    cold_root, warm_root = workdir / "cold", workdir / "warm"
+    cold_root, warm_root, fresh_root = workdir / "cold", workdir / "warm", workdir / "fresh"
     runners = {
         "ThreadPoolTaskRunner": ThreadPoolTaskRunner(max_workers=WORKERS),
         "ProcessPoolTaskRunner": ProcessPoolTaskRunner(max_workers=WORKERS),
@@ -162,6 +165,11 @@ def main(n: int = 20) -> None:
     with prefect_test_harness(server_startup_timeout=120):
         _time_runner(ThreadPoolTaskRunner(), 2)  # warm the API and imports
         totals = {name: _time_runner(runner, n) for name, runner in runners.items()}
+        # Cold pods started as fresh Pythons instead of forked from the preloaded template.
+        os.environ[TEMPLATE_ENV] = "0"
+        fresh = KineticTaskRunner(max_parallel=WORKERS, jobs_root=str(fresh_root))
+        totals["KineticTaskRunner (cold, fresh)"] = _time_runner(fresh, n)
+        del os.environ[TEMPLATE_ENV]
         _mixed_specs(n, workdir / "mixed")
         requests = _gcs_requests(n)
 
@@ -178,6 +186,7 @@ def main(n: int = 20) -> None:
     print(f"warm: {pods} pods for {n} tasks")
 
     _print_profile("Where a cold pod's time goes", _pod_profile(cold_root))
+    _print_profile("Where a cold pod's time goes, fresh Python", _pod_profile(fresh_root))
     _print_profile("Where a task's time goes on warm pods", _pod_profile(warm_root))
 
     print(f"\nGCS requests per task (jobs store and results on fake-gcs-server), N={n}")
