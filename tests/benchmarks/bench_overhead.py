@@ -176,10 +176,10 @@ def main(n: int = 20) -> None:
     thread = totals["ThreadPoolTaskRunner"]
     process = totals["ProcessPoolTaskRunner"]
     print(f"\nPer-task overhead, N={n} trivial tasks, {WORKERS} workers, {os.cpu_count()} CPUs")
-    print(f"{'runner':<28}{'total s':>9}{'per task s':>12}{'vs thread':>11}{'vs process':>12}")
+    print(f"{'runner':<32}{'total s':>9}{'per task s':>12}{'vs thread':>11}{'vs process':>12}")
     for name, total in totals.items():
         print(
-            f"{name:<28}{total:>9.2f}{total / n:>12.3f}"
+            f"{name:<32}{total:>9.2f}{total / n:>12.3f}"
             f"{total / thread:>10.1f}x{total / process:>11.1f}x"
         )
     pods = len(list((warm_root / "pods").glob("*.json")))
