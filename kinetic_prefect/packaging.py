@@ -134,19 +134,13 @@ def modules_under(root: Path) -> list[ModuleType]:
         file = getattr(module, "__file__", None)
         if not file or name.split(".")[0] in installed or name == "__main__":
             continue
-        path = _resolved(file)
-        if path is not None and path.is_relative_to(root) and "site-packages" not in path.parts:
+        try:
+            path = Path(file).resolve()
+        except OSError:
+            continue
+        if path.is_relative_to(root) and "site-packages" not in path.parts:
             found.append(module)
     return found
-
-
-@lru_cache(maxsize=16384)
-def _resolved(file: str) -> Path | None:
-    """A module file's real path, once per file: every submission scans every module."""
-    try:
-        return Path(file).resolve()
-    except OSError:
-        return None
 
 
 # cloudpickle's by-value registry is process-wide; serialise its use.
