@@ -17,16 +17,69 @@ import pytest
 
 from kinetic_prefect.backends.local import LocalBackend
 from tests.helpers.kube import KubeCluster, running_cluster
+from tests.helpers.prefect_server import migrated_database
+
+# Modules whose tests share a costly module-scoped fixture (a Prefect server, work pool,
+# deployments and a worker): under `--dist loadgroup` each runs on one xdist worker, so
+# the fixture starts once per run. (pytest-xdist's own `xdist_group` marks do not group
+# under pytest 9: xdist renames items through an attribute pytest no longer reads.)
+ONE_WORKER_MODULES = frozenset({"tests/test_worker.py"})
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModulesKeptTogether(LoadScopeScheduling):  # type: ignore[misc]
+        """One work unit per test, except a whole module of `ONE_WORKER_MODULES`.
+
+        Units are handed out largest first, so a kept-together module starts at once.
+        """
+
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if module in ONE_WORKER_MODULES else nodeid
+
+    return ModulesKeptTogether(config, log)
 
 
 @pytest.fixture(scope="session")
-def prefect_api() -> Iterator[str]:
-    """A real Prefect API server (SQLite) for the whole session."""
-    from prefect.settings import get_current_settings
-    from prefect.testing.utilities import prefect_test_harness
+def prefect_database(pytestconfig: pytest.Config) -> Path:
+    """A migrated, empty Prefect database that every test server starts from a copy of.
 
-    with prefect_test_harness(server_startup_timeout=120):
+    Kept in pytest's cache directory per Prefect version, so a run (and its xdist
+    workers) migrates one database at most.
+    """
+    import prefect
+
+    return migrated_database(pytestconfig.cache.mkdir(f"prefect-database-{prefect.__version__}"))
+
+
+@pytest.fixture(scope="session")
+def prefect_api(prefect_database: Path) -> Iterator[str]:
+    """A real Prefect API server (SQLite) for the whole session: Prefect's test harness."""
+    import shutil
+    import tempfile
+
+    from prefect.settings import get_current_settings
+    from prefect.testing import utilities
+
+    def seeded_directory() -> str:
+        # The harness puts its database in a new `mkdtemp()` directory; this one already
+        # holds a migrated copy, so the server skips the migrations at start-up.
+        directory = tempfile.mkdtemp()
+        shutil.copyfile(prefect_database, Path(directory, "prefect-test.db"))
+        return directory
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(utilities, "mkdtemp", seeded_directory)
+        harness = utilities.prefect_test_harness(server_startup_timeout=120)
+        harness.__enter__()
+    try:
         yield str(get_current_settings().api.url)
+    finally:
+        harness.__exit__(None, None, None)
 
 
 @pytest.fixture

@@ -443,13 +443,25 @@ def test_a_100_task_map_costs_under_3_api_requests_per_task_and_exits_are_notice
 
 
 def _most_jobs_running_at_once(cluster: KubeCluster) -> int:
+    """From the cluster's events: the most Jobs at once whose pod had not ended.
+
+    A Job counts from its creation until its pod reaches Succeeded or Failed (or the Job
+    is complete or deleted): the runner may create the next Job as soon as a pod has
+    ended, before the Job controller has marked that pod's Job complete.
+    """
     running: set[str] = set()
     most = 0
     for _, resource, event in cluster.call(lambda: list(cluster.emulator.events)):
+        obj = event["object"]
+        if resource.plural == "pods":
+            phase = (obj.get("status") or {}).get("phase")
+            if event["type"] == "DELETED" or phase in ("Succeeded", "Failed"):
+                running.discard((obj["metadata"].get("labels") or {}).get(LABEL_JOB_ID, ""))
+            continue
         if resource.plural != "jobs":
             continue
-        name = event["object"]["metadata"]["name"]
-        conditions = event["object"].get("status", {}).get("conditions") or []
+        name = obj["metadata"]["name"]
+        conditions = obj.get("status", {}).get("conditions") or []
         if event["type"] == "ADDED":
             running.add(name)
         elif event["type"] == "DELETED" or any(c["type"] == "Complete" for c in conditions):

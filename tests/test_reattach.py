@@ -14,11 +14,14 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from prefect import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.settings import get_current_settings
 
 from kinetic_prefect.manifest import LABEL_FLOW_RUN_ID, LABEL_TASK_IDENTITY, LABEL_WARM
@@ -36,13 +39,17 @@ SIGTERM_SLACK = 15
 TTL = 2
 # Long enough that a restarted flow process finds the pod still running.
 RESTART_TIMEOUT = 90
-# Few checkpoints (each costs CPU), far apart: the pod outlives the restart by ~25 s.
-RESTART = {"orphan_timeout": RESTART_TIMEOUT, "steps": 30, "pause": 1.0}
-# A killed process's pod trains on past its orphan timeout unless it ends itself.
-KILLED = {"steps": 24, "pause": 0.5}
+# Every first pod stops at its gate after two checkpoints (see the script): a killed
+# process's pod never gets past it unless something ends the pod, and a restarted
+# process's pod goes on only once the test has seen the restarted process take it over.
+# A pod that resumes after a checkpoint has no gate to wait at.
+TRAINING = {"steps": 4, "pause": 0.1}
+RESTART = {"orphan_timeout": RESTART_TIMEOUT, **TRAINING}
+KILLED = TRAINING
 
 
 def _orchestrator(*args: str, cluster: str = "", **env: object) -> subprocess.Popen[str]:
+    env.setdefault("gate", Path.cwd() / "gate")
     return subprocess.Popen(
         [sys.executable, "-m", "tests.scripts.orphaned_training", *args],
         cwd=Path.cwd(),
@@ -79,6 +86,27 @@ def _gcs_checkpoints(gcs: GcsTestBucket) -> Callable[[str], set[str]]:
         return {p[4] for p in parts if len(p) > 5 and p[3] == "checkpoints" and p[4].isdigit()}
 
     return steps
+
+
+def _reattached(flow_run_id: str) -> bool:
+    """Whether a task run of the flow run says it took over an earlier process's pod."""
+    with get_client(sync_client=True) as client:
+        task_runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[uuid.UUID(flow_run_id)]))
+        )
+    return any(
+        (run.state and run.state.message or "").startswith("Reattached") for run in task_runs
+    )
+
+
+def _open_gate_once_reattached(process: subprocess.Popen[str], flow_run_id: str) -> None:
+    def reattached() -> bool:
+        if process.poll() is not None:
+            raise AssertionError(f"The restarted flow process exited with {process.returncode}")
+        return _reattached(flow_run_id)
+
+    wait_until(reattached, 120, "the restarted flow process to reattach to the pod")
+    (Path.cwd() / "gate").touch()
 
 
 def _result(process: subprocess.Popen[str]) -> int:
@@ -130,6 +158,7 @@ def test_a_restarted_local_flow_process_reattaches_to_its_running_pod(workdir: P
 
     second = _orchestrator("again", flow_run_id, **options)
     started_again = time.time()
+    _open_gate_once_reattached(second, flow_run_id)
     resumed_from = _result(second)
 
     (pod,) = _pod_records(workdir, flow_run_id)
@@ -183,7 +212,9 @@ def test_a_restarted_flow_process_reattaches_to_its_running_job(
     first, flow_run_id = _started_training(_gcs_checkpoints(gcs), cluster=gke, **options)
     _kill(first)
 
-    resumed_from = _result(_orchestrator("again", flow_run_id, cluster=gke, **options))
+    second = _orchestrator("again", flow_run_id, cluster=gke, **options)
+    _open_gate_once_reattached(second, flow_run_id)
+    resumed_from = _result(second)
 
     assert resumed_from == 0  # the first pod's own result: it trained from step 0
     assert len(cluster.created_jobs()) == 1
@@ -203,7 +234,7 @@ def test_a_restarted_flow_process_stops_its_predecessors_warm_pod_before_launchi
 
     old, *new = _pod_records(workdir, flow_run_id)
     assert old["job_id"] == warm_pod["job_id"]
-    # Stopped at once: not left to finish its training and idle out its 120 s.
+    # Stopped at once: not left at its gate (its training unfinished) nor idling for 120 s.
     assert old["ended_at"] - restarted < 60
     assert old["labels"][LABEL_WARM] == "true"
     assert new and all(old["ended_at"] < pod["started_at"] for pod in new)

@@ -8,6 +8,7 @@ through the manifest's Secret refs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -117,13 +118,19 @@ def pod_processes(outputs: Path, flow_run_id: object = None) -> dict[int, str]:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """Server, `kinetic` pool and the prefect.yaml deployments, all made through the CLI."""
+def stack(tmp_path_factory: pytest.TempPathFactory, prefect_database: Path) -> Iterator[Stack]:
+    """Server, `kinetic` pool and the prefect.yaml deployments, all made through the CLI.
+
+    `make test` keeps this module on one pytest-xdist worker (`ONE_WORKER_MODULES` in
+    conftest.py), so the stack starts once per run.
+    """
     root = tmp_path_factory.mktemp("kinetic-worker")
     work = root / "work"
     work.mkdir()
     jobs_root = work / ".kinetic"
-    with prefect_server(root / "server", auth_string=AUTH_STRING) as server:
+    with prefect_server(
+        root / "server", auth_string=AUTH_STRING, database=prefect_database
+    ) as server:
         server.cli("work-pool", "create", "--type", "kinetic", POOL)
         server.cli(
             "--no-prompt", "deploy", "--prefect-file", "deployments/prefect.yaml", "--all", cwd=REPO
@@ -148,6 +155,29 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         finally:
             for pid in pod_processes(jobs_root / "outputs"):
                 os.kill(pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def client_of(server: PrefectServer) -> Iterator[None]:
+    """Settings that make this process a client of `server`, for Prefect's own calls.
+
+    Prefect's events and API-log workers are per-process singletons bound to the API
+    they first met; they are drained on the way in and out, so events sent under these
+    settings go to `server` and later tests' events to the session's API.
+    """
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    EventsWorker.drain_all()
+    APILogWorker.drain_all()
+    try:
+        with temporary_settings(
+            {PREFECT_API_URL: server.api_url, PREFECT_API_AUTH_STRING: server.auth_string}
+        ):
+            yield
+    finally:
+        EventsWorker.drain_all()
+        APILogWorker.drain_all()
 
 
 def wait_for_final_state(stack: Stack, client: Any, flow_run_id: uuid.UUID) -> Any:
@@ -381,9 +411,7 @@ def test_deployed_flow_on_gke_runs_as_the_runner_account_and_launches_its_task_p
 
     runner_account, pods_account = rbac_service_accounts()
     server = stack.server
-    with temporary_settings(
-        {PREFECT_API_URL: server.api_url, PREFECT_API_AUTH_STRING: server.auth_string}
-    ):
+    with client_of(server):
         GcsBucket(
             bucket=gcs.name, bucket_folder="results", gcp_credentials=KineticGcpCredentials()
         ).save(deployed_flows.GKE_RESULTS, overwrite=True)
@@ -415,9 +443,7 @@ def test_deployed_flow_on_gke_runs_as_the_runner_account_and_launches_its_task_p
         final = wait_for_final_state(stack, client, flow_run.id)
         flow_job = client.read_flow_run(flow_run.id).infrastructure_pid
         task_run_ids = {str(t.id) for t in task_runs_of(client, flow_run.id)}
-    with temporary_settings(
-        {PREFECT_API_URL: server.api_url, PREFECT_API_AUTH_STRING: server.auth_string}
-    ):
+    with client_of(server):
         result = final.result()
 
     created = {body["metadata"]["name"]: (token, body) for token, body in cluster.job_creations()}

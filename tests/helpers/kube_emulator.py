@@ -99,7 +99,6 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         super().__attrs_post_init__()
         self._buses = _Buses(self)
         self._released.set()
-        self["get", _LOG_PATH] << self._serve_log
 
     # -- state changes --------------------------------------------------------------
 
@@ -238,6 +237,14 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         self.compacted_version = self.version
 
     # -- pod logs ---------------------------------------------------------------------
+
+    async def _serve_fetch(self, request: kmock.Request) -> Any:
+        # Served from kmock's own fallback for reads rather than a reaction of its own: kmock
+        # matches every request against every reaction by scanning all earlier requests,
+        # so each reaction adds work that grows with the test's request count.
+        if request.subresource == "log":
+            return await self._serve_log(request)
+        return await super()._serve_fetch(request)
 
     async def _serve_log(self, request: kmock.Request) -> Any:
         match = _LOG_PATH.fullmatch(request.url.path)

@@ -8,9 +8,12 @@ Environment: `ORPHANED_TRAINING_CLUSTER` names a saved gke `KineticCluster` (the
 kmock cluster; local backend without it), `ORPHANED_TRAINING_ORPHAN_TIMEOUT` the runner's
 `orphan_timeout_seconds` (4), `ORPHANED_TRAINING_STEPS` the steps to train (60),
 `ORPHANED_TRAINING_PAUSE` the seconds between steps (0.2),
-`ORPHANED_TRAINING_TTL` the Jobs' `ttl_seconds_after_finished` on gke (2), and
+`ORPHANED_TRAINING_TTL` the Jobs' `ttl_seconds_after_finished` on gke (2),
 `ORPHANED_TRAINING_WARM=1` gives the runner warm pods and has the flow run a short task
-first, so the training is the warm pod's second task.
+first, so the training is the warm pod's second task, and `ORPHANED_TRAINING_GATE` names a
+file: a training that starts from step 0 stops after its second checkpoint until that file
+exists (a test opens the gate once the restarted flow process has taken the pod over; a
+pod that must end by other means waits at a gate nobody opens).
 """
 
 from __future__ import annotations
@@ -25,9 +28,18 @@ from prefect.states import Scheduled
 
 from kinetic_prefect import KineticTaskRunner, checkpoint_manager
 
+# How long a gated training waits for its gate before it trains on regardless.
+GATE_TIMEOUT = 300
+
+
+def _wait_for_gate(gate: str) -> None:
+    deadline = time.monotonic() + GATE_TIMEOUT
+    while not os.path.exists(gate) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
 
 @task
-def train_slowly(steps: int, pause: float) -> int:
+def train_slowly(steps: int, pause: float, gate: str = "") -> int:
     import jax.numpy as jnp
     import orbax.checkpoint as ocp
 
@@ -37,6 +49,8 @@ def train_slowly(steps: int, pause: float) -> int:
     for step in range(start, steps):
         manager.save(step, args=ocp.args.StandardSave({"step": jnp.asarray(step)}))
         manager.wait_until_finished()
+        if gate and step == 1:
+            _wait_for_gate(gate)
         time.sleep(pause)
     return start
 
@@ -51,7 +65,8 @@ def orphaned_training(steps: int) -> int:
     if os.environ.get("ORPHANED_TRAINING_WARM"):
         warm_up.submit().result()
     pause = float(os.environ.get("ORPHANED_TRAINING_PAUSE") or 0.2)
-    return train_slowly.submit(steps, pause).result()
+    gate = os.environ.get("ORPHANED_TRAINING_GATE") or ""
+    return train_slowly.submit(steps, pause, gate).result()
 
 
 def _runner() -> KineticTaskRunner:
