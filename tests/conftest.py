@@ -45,15 +45,20 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 
 @pytest.fixture(scope="session")
-def prefect_database(pytestconfig: pytest.Config) -> Path:
+def prefect_database(pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A migrated, empty Prefect database that every test server starts from a copy of.
 
     Kept in pytest's cache directory per Prefect version, so a run (and its xdist
-    workers) migrates one database at most.
+    workers) migrates one database at most; without the cache (`-p no:cacheprovider`),
+    in the run's temporary directory.
     """
     import prefect
 
-    return migrated_database(pytestconfig.cache.mkdir(f"prefect-database-{prefect.__version__}"))
+    name = f"prefect-database-{prefect.__version__}"
+    cache = getattr(pytestconfig, "cache", None)
+    if cache is None:
+        return migrated_database(tmp_path_factory.getbasetemp() / name)
+    return migrated_database(cache.mkdir(name))
 
 
 @pytest.fixture(scope="session")

@@ -98,7 +98,7 @@ class KubeCluster:
         """Every body of `plural` the API accepted a POST for, exactly as sent."""
         return [
             json.loads(r.body)
-            for r in self.call(lambda: list(self.emulator))
+            for r in self.call(lambda: list(self.emulator.requests))
             if r.method == "POST" and r.resource is not None and r.resource.plural == plural
         ]
 
@@ -113,7 +113,7 @@ class KubeCluster:
         """(bearer token, Job body) of every Job the API accepted a POST for."""
         return [
             (r.headers.get("Authorization", "").removeprefix("Bearer "), json.loads(r.body))
-            for r in self.call(lambda: list(self.emulator))
+            for r in self.call(lambda: list(self.emulator.requests))
             if r.method == "POST" and r.resource is not None and r.resource.plural == JOBS
         ]
 
@@ -121,7 +121,7 @@ class KubeCluster:
         """Requests from anything but the test kubelet (the runner, the CLI)."""
         return [
             r
-            for r in self.call(lambda: list(self.emulator))
+            for r in self.call(lambda: list(self.emulator.requests))
             if r.headers.get("User-Agent") != KUBELET_AGENT
         ]
 

@@ -12,7 +12,7 @@ import asyncio
 import copy
 import re
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,8 @@ from tests.helpers.kube_objects import now
 JOBS = "jobs"
 PODS = "pods"
 _LOG_PATH = re.compile(r"/api/v1/namespaces/([^/]+)/pods/([^/]+)/log")
+# Far more requests than are ever in flight at once in a test.
+_MATCHING_WINDOW = 64
 
 
 def _selector_matches(selector: str, labels: dict[str, str]) -> bool:
@@ -99,6 +101,22 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         super().__attrs_post_init__()
         self._buses = _Buses(self)
         self._released.set()
+
+    # -- kmock's request matching ----------------------------------------------------
+
+    def __iter__(self) -> Iterator[kmock.Request]:
+        # kmock decides which reaction serves a request by asking each reaction's view
+        # whether it contains the request, and a view answers by scanning every request
+        # the server has had, oldest first: the N-th request of a test would cost O(N).
+        # Only requests still in flight are ever asked about, so the views see the newest
+        # few, newest first (no view here counts or slices requests); the whole history
+        # stays in `requests`.
+        yield from reversed(self._requests[-_MATCHING_WINDOW:])
+
+    @property
+    def requests(self) -> list[kmock.Request]:
+        """Every request the emulator has had, oldest first."""
+        return list(self._requests)
 
     # -- state changes --------------------------------------------------------------
 
