@@ -47,12 +47,11 @@ demo-stop: $(VENV)/.synced
 	$(VENV)/bin/python deployments/local_server.py --stop
 
 # Four pytest workers share the suite (many cases wait on pods and timeouts rather than
-# use a CPU); a module in conftest.py's ONE_WORKER_MODULES stays on one. Tests marked
-# `alone` (timing bounds) then run by themselves. Either run failing, or collecting no
-# test (pytest's exit 5), fails.
+# use a CPU); tests/helpers/scheduling.py says how: the worker tests on one worker, and
+# the timing-bound tests (`alone`) last, once the other workers have exited.
+# A failure, or collecting no test (pytest's exit 5), fails.
 test: $(VENV)/.synced
-	$(VENV)/bin/python -m pytest -n 4 --dist loadgroup -m "not alone"
-	$(VENV)/bin/python -m pytest -m alone
+	$(VENV)/bin/python -m pytest -n 4 --dist loadgroup
 
 lint: $(VENV)/.synced
 	$(VENV)/bin/ruff check kinetic_prefect tests flows blocks

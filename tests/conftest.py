@@ -18,30 +18,18 @@ import pytest
 from kinetic_prefect.backends.local import LocalBackend
 from tests.helpers.kube import KubeCluster, running_cluster
 from tests.helpers.prefect_server import migrated_database
+from tests.helpers.scheduling import SuiteScheduling, check_alone_marks
 
-# Modules whose tests share a costly module-scoped fixture (a Prefect server, work pool,
-# deployments and a worker): under `--dist loadgroup` each runs on one xdist worker, so
-# the fixture starts once per run. (pytest-xdist's own `xdist_group` marks do not group
-# under pytest 9: xdist renames items through an attribute pytest no longer reads.)
-ONE_WORKER_MODULES = frozenset({"tests/test_worker.py"})
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    check_alone_marks(items)
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadgroup` (as `make test` runs): see tests/helpers/scheduling.py."""
     if config.getvalue("dist") != "loadgroup":
         return None
-    from xdist.scheduler import LoadScopeScheduling
-
-    class ModulesKeptTogether(LoadScopeScheduling):  # type: ignore[misc]
-        """One work unit per test, except a whole module of `ONE_WORKER_MODULES`.
-
-        Units are handed out largest first, so a kept-together module starts at once.
-        """
-
-        def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
-            return module if module in ONE_WORKER_MODULES else nodeid
-
-    return ModulesKeptTogether(config, log)
+    return SuiteScheduling(config, log)
 
 
 @pytest.fixture(scope="session")

@@ -26,7 +26,7 @@ from tests.test_reattach import (
     _started_training,
 )
 
-pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_api", "workdir")]
 
 # The pods' watchdog looks every orphan_timeout/4 s, at most every 15 s.
 ORPHAN_TIMEOUT = 60

@@ -364,6 +364,7 @@ def backend_target(request: pytest.FixtureRequest) -> tuple[str | None, list[str
     return gke, ["--cluster", gke]
 
 
+@pytest.mark.slow
 def test_jobs_attach_follows_the_task_runs_pod_and_exits_0_once_it_completes(
     backend_target, workdir, prefect_api
 ):

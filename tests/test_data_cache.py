@@ -54,6 +54,7 @@ def sha256_of(index: int, file: str) -> str:
     return hashlib.sha256(Path(file).read_bytes()).hexdigest()
 
 
+@pytest.mark.slow
 def test_64_mib_file_and_300_mib_tree_are_verified_in_the_pod_uploaded_once_hashed_once(
     gcs, workdir
 ):
@@ -191,6 +192,7 @@ def test_tampered_data_cache_object_is_refused_in_the_pod_naming_the_file(gcs, w
     assert "data-markers/" in str(info.value)
 
 
+@pytest.mark.slow
 def test_cached_objects_missing_or_resized_are_uploaded_again_before_reuse(gcs, workdir):
     tree = _small_tree(workdir / "tree")
     runner = KineticTaskRunner(cluster=gcs_cluster(gcs, "data-resized"))

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 SCRIPT = """
 import json, os
@@ -25,10 +28,18 @@ print("RESULT " + json.dumps({"results": squares(), "flow_pid": os.getpid()}))
 """
 
 
-def test_runner_with_no_settings_runs_pods_in_prefect_ephemeral_mode(tmp_path: Path):
+@pytest.mark.slow
+def test_runner_with_no_settings_runs_pods_in_prefect_ephemeral_mode(
+    tmp_path: Path, prefect_database: Path
+):
+    # A Prefect home used before: its database (where the ephemeral server keeps its
+    # state) is migrated already, so the server skips the migrations.
+    home = tmp_path / "prefect-home"
+    home.mkdir()
+    shutil.copyfile(prefect_database, home / "prefect.db")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "KINETIC_"))}
     env.update(
-        PREFECT_HOME=str(tmp_path / "prefect-home"),
+        PREFECT_HOME=str(home),
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
         # Prefect's 20 s for its ephemeral server to answer is short on a busy two-core machine.
         PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="120",

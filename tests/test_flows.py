@@ -25,6 +25,7 @@ def _artifacts(**filters: Any) -> list[Any]:
     return asyncio.run(read())
 
 
+@pytest.mark.slow
 def test_checkpointed_training_resumes_after_its_pod_is_killed_and_reports_full_progress():
     result = checkpointed_training(steps=40, interrupt_at=15)
 
@@ -34,6 +35,7 @@ def test_checkpointed_training_resumes_after_its_pod_is_killed_and_reports_full_
     assert 100.0 in progress
 
 
+@pytest.mark.slow
 def test_sweep_ranks_configurations_and_publishes_a_table_and_loss_plot(workdir: Path):
     ranked = hyperparameter_sweep(learning_rates=[0.03, 1.0], hidden_widths=[8], steps=60)
 

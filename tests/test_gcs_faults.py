@@ -39,6 +39,7 @@ def gcs_endpoint(fault_proxy: FaultInjectingProxy) -> str:
     return fault_proxy.url
 
 
+@pytest.mark.slow
 def test_uploads_result_writes_and_checkpoints_survive_one_503_in_five(gcs, fault_proxy):
     runner = KineticTaskRunner(cluster=gcs_cluster(gcs, "flaky-gcs"))
 

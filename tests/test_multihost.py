@@ -77,6 +77,7 @@ def test_a_four_host_slice_sums_every_hosts_index_and_host_0_reports_once():
     assert _state_types(task_run_id).count("COMPLETED") == 1
 
 
+@pytest.mark.slow
 def test_a_host_killed_mid_training_relaunches_the_whole_slice_from_the_checkpoint():
     @flow(task_runner=KineticTaskRunner(accelerator="tpu-v5e-16", env=CPU_JAX))
     def run() -> tuple[tuple[int, str], int]:

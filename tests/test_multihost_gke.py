@@ -37,6 +37,7 @@ def mark_then_wait(marks: str, gate: str) -> None:
         pause.wait(0.05)
 
 
+@pytest.mark.slow
 def test_a_slice_is_created_in_the_documented_shape_and_runs_as_four_host_processes(gke, cluster):
     cluster.kubelet.nodes = _tpu_nodes(4)
 
@@ -64,6 +65,7 @@ def test_a_slice_is_created_in_the_documented_shape_and_runs_as_four_host_proces
     wait_until(lambda: cluster.services() == [], 30, "the slice's Service to be deleted")
 
 
+@pytest.mark.slow
 def test_leaving_a_running_slice_deletes_its_job_pods_and_service(gke, cluster, workdir):
     cluster.kubelet.nodes = _tpu_nodes(4)
     marks = workdir / "marks"

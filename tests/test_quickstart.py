@@ -14,6 +14,7 @@ pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
 WELL_ABOVE_CHANCE = 0.7
 
 
+@pytest.mark.slow
 def test_quickstart_sweep_returns_a_model_per_configuration_that_learned():
     configs = [{"lr": 0.3, "hidden": 8}, {"lr": 1.0, "hidden": 16}]
 

@@ -30,7 +30,7 @@ from tests.helpers.kube import KubeCluster
 from tests.helpers.waiting import wait_until
 from tests.test_task_runner import _alive
 
-pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_api", "workdir")]
 
 ORPHAN_TIMEOUT = 4
 # The pod's watchdog looks every second and the task ends promptly on SIGTERM; the rest

@@ -96,6 +96,7 @@ print(json.dumps(values))
 """
 
 
+@pytest.mark.slow
 def test_results_are_prefect_records_in_the_bucket_readable_by_a_plain_prefect_process(
     gcs, prefect_api
 ):
@@ -127,6 +128,7 @@ def test_results_are_prefect_records_in_the_bucket_readable_by_a_plain_prefect_p
 @pytest.mark.parametrize(
     ("interrupt", "retry_state"), [("kill", "AwaitingRetry"), ("raise", "Retrying")]
 )
+@pytest.mark.slow
 def test_interrupted_training_resumes_from_its_last_checkpoint_with_no_terminal_state_before(
     storage, interrupt, retry_state, request
 ):
@@ -148,6 +150,7 @@ def test_interrupted_training_resumes_from_its_last_checkpoint_with_no_terminal_
         assert client.read_task_run(task_run_id).run_count == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("storage", ["local", "gcs"])
 def test_killed_pod_without_retries_ends_crashed_with_the_reason_and_keeps_its_checkpoint(
     storage, request

@@ -122,7 +122,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, prefect_database: Path) -> I
     """Server, `kinetic` pool and the prefect.yaml deployments, all made through the CLI.
 
     `make test` keeps this module on one pytest-xdist worker (`ONE_WORKER_MODULES` in
-    conftest.py), so the stack starts once per run.
+    tests/helpers/scheduling.py), so the stack starts once per run.
     """
     root = tmp_path_factory.mktemp("kinetic-worker")
     work = root / "work"
