@@ -26,8 +26,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """`--dist loadgroup` (as `make test` runs): see tests/helpers/scheduling.py."""
-    if config.getvalue("dist") != "loadgroup":
+    """`-n N` or `--dist loadgroup` (as `make test` runs): see tests/helpers/scheduling.py."""
+    if config.getvalue("dist") not in ("load", "loadgroup"):
         return None
     return SuiteScheduling(config, log)
 

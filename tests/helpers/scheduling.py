@@ -1,4 +1,4 @@
-"""How `make test` shares the suite among pytest-xdist workers (`--dist loadgroup`).
+"""How `make test` shares the suite among pytest-xdist workers (`-n N`, `--dist loadgroup`).
 
 - One work unit per test, handed out in collection order, except that a module of
   `ONE_WORKER_MODULES` is one unit (handed out first, being the largest): its tests
