@@ -234,9 +234,22 @@ def _validate(settings: LaunchSettings) -> None:
             "warm_pod_idle_seconds must be a positive number of seconds (how long an idle "
             "warm pod waits for its next task run)."
         )
+    _check_warm_idle(settings)
     for key in settings.env:
         if not key or "=" in key:
             raise ConfigurationError(f"Invalid environment variable name {key!r} in env=.")
+
+
+def _check_warm_idle(settings: LaunchSettings) -> None:
+    from kinetic_prefect.pod.warm import reuse_margin
+
+    margin = reuse_margin(settings.jobs_root or "")
+    if settings.warm_pods and settings.warm_pod_idle_seconds <= margin:
+        raise ConfigurationError(
+            f"warm_pod_idle_seconds={settings.warm_pod_idle_seconds:g} leaves no time to reuse a "
+            f"warm pod: a task goes only to a pod with over {margin:g}s of its idle time left "
+            f"on this jobs store. Use at least {2 * margin:g}, or warm_pods=False."
+        )
 
 
 def spot_request(spot: bool | str | None, *, last_attempt: bool = False) -> bool | None:

@@ -7,6 +7,7 @@ state changes the orchestrator reports for pods that could not report their own.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Mapping
 from datetime import timedelta
@@ -320,6 +321,27 @@ def register_deferred(base: type, entries: Mapping[str, str]) -> None:
     for key, module in entries.items():
         if not dict.__contains__(registry, key):
             registry.deferred[key] = module
+
+
+def send_logs_and_events(timeout: float) -> bool:
+    """Send the log lines and events this process has queued for the API; True if all went.
+
+    For a warm pod between tasks: its process does not exit, so Prefect's at-exit
+    drain of its log and event workers does not run, and a pod stopped while idle
+    would lose what the last task logged. `drain_all` is what Prefect's own exit
+    handlers call; the next task's first log line or event starts a new worker.
+    `test_task_logs_reach_the_api_before_the_flow_ends_its_warm_pods` fails if that changes.
+    """
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    deadline = time.monotonic() + timeout
+    sent = True
+    for worker in (APILogWorker, EventsWorker):  # logs first: events of the end come last
+        result = worker.drain_all(timeout=max(deadline - time.monotonic(), 0.0))
+        if isinstance(result, tuple):
+            sent = sent and not result[1]
+    return sent
 
 
 def reload_prefect_settings() -> None:

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from prefect.logging import get_logger
+
 from kinetic_prefect.backends.base import Backend, PodExit
 from kinetic_prefect.manifest import (
     LABEL_TASK_IDENTITY,
@@ -26,6 +28,8 @@ from kinetic_prefect.storage import ArtifactStore
 
 if TYPE_CHECKING:
     from kinetic_prefect.launching import Launcher, TaskLaunch
+
+logger = get_logger("kinetic_prefect.warm_pods")
 
 # Env that differs between task runs of one pod spec (the rest of the per-task env,
 # job id and output dir, comes from LaunchSpec fields blanked in `spec_key`).
@@ -105,6 +109,9 @@ class WarmPod:
     current: int = 0  # the running task's assignment (0: the Job's own first task)
     deadline: float | None = None
     deadline_hit: bool = False
+    # Writing a task's assignment failed: the pod is being ended; if it took the task
+    # anyway, the task is retried as a pod the infrastructure took away, not cancelled.
+    handover_failed: bool = False
     idle_since: float | None = None
     retiring: bool = False  # will end: takes no task
     ended: bool = False
@@ -129,7 +136,7 @@ class WarmPod:
         """Idle, of this spec, and not about to idle out."""
         if self.placement is not None or self.retiring or self.ended or self.key != key:
             return False
-        margin = max(1.0, 4 * warm.poll_seconds(self.store.uri("")))
+        margin = warm.reuse_margin(self.store.uri(""))
         return self.idle_since is not None and now - self.idle_since < self.idle_seconds - margin
 
 
@@ -166,3 +173,37 @@ def task_assignment(pod: WarmPod, placement: Placement) -> warm.Assignment:
         context_sha256=spec.context_sha256,
         env=env,
     )
+
+
+def took_task(pod: WarmPod, sequence: int) -> bool:
+    """Whether the pod accepted its `sequence`-th task; if the store cannot tell, it did."""
+    try:
+        return pod.store.exists(f"{pod.warm_dir}/{warm.accepted_name(sequence)}")
+    except Exception:
+        logger.warning(
+            "Could not tell whether warm pod %s took its task; its end counts as the task's",
+            pod.pod_id,
+            exc_info=True,
+        )
+        return True
+
+
+def task_exit(
+    outcome: PodExit, launch: TaskLaunch, *, deadline_hit: bool, handover_failed: bool
+) -> PodExit:
+    """How the task on a warm pod ended, from how the pod ended."""
+    ended = dataclasses.replace(outcome, job_id=launch.job_id)
+    if deadline_hit:
+        return dataclasses.replace(
+            ended, reason="DeadlineExceeded", cancelled=False, preempted=False
+        )
+    if handover_failed and not launch.cancelled:
+        # The runner ended the pod after a failed write; the task is retried on its
+        # preemption budget, as for a pod the infrastructure took away.
+        return dataclasses.replace(
+            ended,
+            reason="the jobs store failed while the task was handed to a warm pod",
+            cancelled=False,
+            preempted=True,
+        )
+    return ended

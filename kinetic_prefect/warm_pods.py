@@ -44,6 +44,8 @@ from kinetic_prefect.warm_pod_state import (
     capacity,
     pod_env,
     task_assignment,
+    task_exit,
+    took_task,
     warm_placement,
 )
 
@@ -283,7 +285,7 @@ class WarmPods:
             # The pod may never see it: end the pod, and its exit gives the task back.
             logger.warning("Could not hand %s to warm pod %s", launch.job_id, pod.pod_id)
             with self._lock:
-                pod.retiring = True
+                pod.retiring = pod.handover_failed = True
             pod.backend.cancel(pod.pod_id)
             return
         logger.debug("Task run %s went to warm pod %s", launch.task_run.name, pod.pod_id)
@@ -310,13 +312,12 @@ class WarmPods:
     def _pod_exited(self, pod: WarmPod, outcome: PodExit) -> None:
         with self._lock:
             placement, sequence, deadline_hit = pod.placement, pod.current, pod.deadline_hit
+            handover_failed = pod.handover_failed
             pod.placement = None
         self._forget(pod)
         if placement is not None:
             launch = placement.launch
-            accepted = sequence == 0 or pod.store.exists(
-                f"{pod.warm_dir}/{warm.accepted_name(sequence)}"
-            )
+            accepted = sequence == 0 or took_task(pod, sequence)
             if not accepted and not launch.cancelled:
                 logger.info(
                     "Warm pod %s ended before taking %s; placing it again",
@@ -329,11 +330,9 @@ class WarmPods:
                     if not self._closed:
                         self._waiting.appendleft(placement)
             else:
-                ended = dataclasses.replace(outcome, job_id=launch.job_id)
-                if deadline_hit:
-                    ended = dataclasses.replace(
-                        ended, reason="DeadlineExceeded", cancelled=False, preempted=False
-                    )
+                ended = task_exit(
+                    outcome, launch, deadline_hit=deadline_hit, handover_failed=handover_failed
+                )
                 launch.in_context(placement.on_end, launch, ended)
         self._schedule()
 

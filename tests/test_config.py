@@ -82,6 +82,16 @@ def test_warm_pod_settings_come_from_the_runner_the_block_or_kinetic_variables()
     assert (from_runner.warm_pods, from_runner.warm_pod_idle_seconds) == (False, 5)
 
 
+def test_a_warm_pod_idle_time_too_short_to_reuse_a_pod_is_refused_saying_what_to_use():
+    on_gcs = {"warm_pods": True, "warm_pod_idle_seconds": 2, "jobs_root": "gs://bucket/jobs"}
+
+    with pytest.raises(ConfigurationError, match=r"idle_seconds=1 leaves .* at least 2,"):
+        resolve_settings(environ={}, runner={"warm_pods": True, "warm_pod_idle_seconds": 1})
+    with pytest.raises(ConfigurationError, match=r"over 2s of its idle time .* at least 4,"):
+        resolve_settings(environ={}, runner=on_gcs)
+    assert resolve_settings(environ={}, runner={**on_gcs, "warm_pod_idle_seconds": 4}).warm_pods
+
+
 def test_a_warm_pod_idle_time_that_is_not_positive_is_refused():
     with pytest.raises(ConfigurationError, match="warm_pod_idle_seconds must be a positive"):
         resolve_settings(environ={}, runner={"warm_pod_idle_seconds": 0})

@@ -10,8 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prefect import flow, task
+from prefect import flow, get_client, get_run_logger, task
+from prefect.client.schemas.filters import LogFilter, LogFilterTaskRunId
 from prefect.context import FlowRunContext
+from prefect.settings import PREFECT_LOGGING_TO_API_BATCH_INTERVAL, temporary_settings
 from typer.testing import CliRunner
 
 from kinetic_prefect import KineticTaskRunner, resources
@@ -42,6 +44,12 @@ def note_environment(x: int) -> dict[str, Any]:
         "seen": seen,
         "flavour": os.environ.get("FLAVOUR", ""),
     }
+
+
+@task
+def log_marker(marker: str) -> str:
+    get_run_logger().info(marker)
+    return marker
 
 
 @task
@@ -169,6 +177,89 @@ def test_leaving_the_flow_ends_its_idle_warm_pods(workdir):
     pid = run()
 
     assert _pod_with_pid(workdir, pid).gone()
+
+
+def _api_log_messages(task_run_ids: list[Any]) -> list[str]:
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(
+            LogFilter(task_run_id=LogFilterTaskRunId(any_=task_run_ids)), limit=200
+        )
+    return [log.message for log in logs]
+
+
+def test_task_logs_reach_the_api_before_the_flow_ends_its_warm_pods(workdir):
+    """With Prefect's default log batching, as users run it (the suite's is shorter)."""
+
+    @flow(task_runner=KineticTaskRunner(warm_pods=True, max_parallel=1))
+    def run() -> list[Any]:
+        futures = [log_marker.submit(f"warm-log-marker-{i}") for i in range(2)]
+        for future in futures:
+            future.wait()
+        return [future.task_run_id for future in futures]
+
+    with temporary_settings({PREFECT_LOGGING_TO_API_BATCH_INTERVAL: 2.0}):
+        task_run_ids = run()
+
+    messages = _api_log_messages(task_run_ids)
+    assert [f"warm-log-marker-{i}" in messages for i in range(2)] == [True, True]
+
+
+def test_a_handover_write_that_fails_after_it_landed_retries_the_task_instead_of_cancelling_it(
+    workdir, monkeypatch
+):
+    """As a GCS upload that times out after the object was stored: the pod took the task."""
+    from kinetic_prefect.storage import LocalStore
+
+    put_bytes = LocalStore.put_bytes
+
+    def put_then_fail(self: LocalStore, key: str, data: bytes) -> str:
+        stored = put_bytes(self, key, data)
+        if key.endswith("/warm/assign-1.json"):
+            accepted = key.replace("assign-1", "accepted-1")
+            wait_until(lambda: self.exists(accepted), 60, "the pod to take the task")
+            raise OSError("the write timed out")
+        return stored
+
+    monkeypatch.setattr(LocalStore, "put_bytes", put_then_fail)
+
+    @flow(task_runner=KineticTaskRunner(warm_pods=True, max_parallel=1))
+    def run() -> tuple[int, str, int]:
+        first = note_environment.submit(1).result()["pid"]
+        handed = note_environment.submit(2)
+        handed.wait()
+        return first, handed.state.type.value, handed.result()["pid"]
+
+    first_pid, state, handed_pid = run()
+
+    assert state == "COMPLETED"
+    assert handed_pid != first_pid
+
+
+def test_a_pod_that_dies_while_the_store_cannot_say_whether_it_took_its_task_crashes_the_task(
+    workdir, monkeypatch
+):
+    from kinetic_prefect.storage import LocalStore
+
+    exists = LocalStore.exists
+
+    def unreadable_acceptance(self: LocalStore, key: str) -> bool:
+        if "/warm/accepted-" in key:
+            raise OSError("the store did not answer")
+        return exists(self, key)
+
+    monkeypatch.setattr(LocalStore, "exists", unreadable_acceptance)
+
+    @flow(task_runner=KineticTaskRunner(warm_pods=True, max_parallel=1))
+    def run() -> tuple[str | None, int]:
+        first = note_environment.submit(1).result()["pid"]
+        crashed = exit_hard.submit()
+        crashed.wait(timeout=120)
+        return (crashed.state.type.value if crashed.state.is_final() else None), first
+
+    state, first_pid = run()
+
+    assert state == "CRASHED"
+    assert _pod_with_pid(workdir, first_pid).exit_code == 3
 
 
 def test_a_task_handed_to_a_pod_that_ends_before_taking_it_runs_on_a_fresh_pod_without_a_retry(

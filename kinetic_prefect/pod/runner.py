@@ -66,6 +66,8 @@ class PodRun:
     # A warm pod's code stays extracted between its tasks (same archive by construction).
     extracted_sha256: str = ""
     code_root: str | None = None
+    # A warm pod sends its task's logs and events before it reports the task's end.
+    send_telemetry_before_report: bool = False
 
     @contextmanager
     def phase(self, name: str, hint: str = "") -> Iterator[None]:
@@ -358,6 +360,8 @@ def run_task(run: PodRun, index: int, hosts: int) -> tuple[int, Any]:
         if index > 0:
             return run_other_host(run, index), None
         state = execute(run)
+        if run.send_telemetry_before_report and not warm.send_telemetry():
+            _log(f"some logs or events did not reach the API in {warm.TELEMETRY_SECONDS:g}s")
         code = report(run, state)
         _log(f"finished: {state.type.value} ({run.timings})")
         return code, state

@@ -39,6 +39,17 @@ BEGIN_MARK = "kinetic-prefect pod: ===== begin job"
 END_MARK = "kinetic-prefect pod: ===== end job"
 
 
+# How long a warm pod waits for a task's logs and events to reach the API.
+TELEMETRY_SECONDS = 30.0
+
+
+def send_telemetry() -> bool:
+    """Before a task's end is reported: its logs and events, sent (the pod will not exit)."""
+    from kinetic_prefect import prefect_bridge
+
+    return prefect_bridge.send_logs_and_events(TELEMETRY_SECONDS)
+
+
 def assignment_name(sequence: int) -> str:
     return f"assign-{sequence}.json"
 
@@ -50,6 +61,11 @@ def accepted_name(sequence: int) -> str:
 def poll_seconds(uri: str) -> float:
     """How often to look at the store: a local path is cheap, a bucket costs a request."""
     return 0.5 if "://" in uri else 0.02
+
+
+def reuse_margin(uri: str) -> float:
+    """Idle time a pod must have left to be handed a task (it could idle out meanwhile)."""
+    return max(1.0, 4 * poll_seconds(uri))
 
 
 @dataclass(frozen=True)
@@ -148,6 +164,7 @@ class WarmLoop:
         from kinetic_prefect.pod.runner import _log as log
 
         run.code_root = self.base_scratch
+        run.send_telemetry_before_report = True
         assignment: Assignment | None = None
         while True:
             self.begin_task(assignment.env if assignment else None)
@@ -174,4 +191,5 @@ class WarmLoop:
                 workdir=run.workdir,
                 extracted_sha256=run.extracted_sha256,
                 code_root=run.code_root,
+                send_telemetry_before_report=True,
             )
