@@ -2,8 +2,8 @@
 
 The task fits a linear model with JAX, saving an Orbax checkpoint every step
 into its `KINETIC_OUTPUT_DIR`. With `interrupt_at`, the first attempt kills its
-own pod (SIGKILL, like a preemption) at that step; the runner marks the task
-run Crashed, launches a new pod for the same task run, and training resumes
+own pod (SIGKILL, like a preemption) at that step; the runner records the task
+run AwaitingRetry, launches a new pod for the same task run, and training resumes
 from the last checkpoint instead of step 0. Progress shows in the Prefect UI as
 a progress artifact that advances with each checkpoint.
 

@@ -11,13 +11,10 @@ on a "two moons" dataset generated in code (fixed seed, nothing downloaded), and
 reports its initial and final training loss and its accuracy on a held-out split.
 Only the pods import JAX; the flow process never does.
 
-Run it (no Prefect server needed: Prefect starts a temporary one):
-
-    python flows/quickstart.py        # or: make demo
-
-To keep the runs and browse them in the UI, start `prefect server start`,
-point `PREFECT_API_URL` at it (`prefect config set
-PREFECT_API_URL=http://127.0.0.1:4200/api`) and run the script again.
+Run it with `make demo`: it starts a local Prefect server (http://127.0.0.1:4200,
+kept for the UI until `make demo-stop`) and runs this script against it. Run
+directly, `python flows/quickstart.py` uses the server `PREFECT_API_URL` names,
+or a temporary one that Prefect starts (and stops) when none is set.
 """
 
 from __future__ import annotations

@@ -129,6 +129,20 @@ def _target(cluster_name: str | None, namespace: str | None) -> tuple[Any, Any]:
     return block, settings
 
 
+def _gke_target(command: str, cluster_name: str | None, namespace: str | None) -> tuple[Any, Any]:
+    """As `_target`, for a command about Kubernetes Jobs: refused on the local backend."""
+    block, settings = _target(cluster_name, namespace)
+    if settings.backend == "local":
+        _fail(
+            f"`kinetic-prefect jobs {command}` works on Kubernetes Jobs (the gke backend), and "
+            "the settings here name the local backend. Pass --cluster with a KineticCluster "
+            "block of backend gke (or set KINETIC_BACKEND=gke). Local pods: "
+            "`kinetic-prefect jobs logs JOB_ID`, `jobs attach`, and their records in "
+            ".kinetic/pods/."
+        )
+    return block, settings
+
+
 def _fail(message: str) -> NoReturn:
     typer.echo(message, err=True)
     raise typer.Exit(1)
@@ -175,7 +189,7 @@ def jobs_ls(cluster: ClusterOption = None, namespace: NamespaceOption = None) ->
     """
     from kinetic_prefect.cluster_jobs import list_kinetic_jobs
 
-    block, settings = _target(cluster, namespace)
+    block, settings = _gke_target("ls", cluster, namespace)
     found = _run(_with_access(block, settings, lambda a: list_kinetic_jobs(a, settings.namespace)))
     table = Table(title=f"Kinetic Jobs in namespace {settings.namespace}")
     for column in ("job", "task", "accelerator", "status", "age", "flow run"):
@@ -289,7 +303,7 @@ def jobs_cancel(
     """
     from kinetic_prefect.kube import delete_job
 
-    block, settings = _target(cluster, namespace)
+    block, settings = _gke_target("cancel", cluster, namespace)
 
     async def cancel(access: Any) -> list[bool]:
         return [await delete_job(access, settings.namespace, job) for job in job_ids]
@@ -323,7 +337,7 @@ def jobs_cleanup(
     from kinetic_prefect.jobs import cleanup_jobs
     from kinetic_prefect.kube import delete_job
 
-    block, settings = _target(cluster, namespace)
+    block, settings = _gke_target("cleanup", cluster, namespace)
     cutoff = datetime.datetime.now(datetime.UTC) - datetime.timedelta(hours=older_than)
 
     def due(finished_at: str | None) -> bool:

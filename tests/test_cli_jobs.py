@@ -206,6 +206,17 @@ def test_jobs_cleanup_removes_finished_jobs_and_their_artifacts_but_not_running_
     assert sorted(p.name for p in (workdir / "jobs" / "kinetic").iterdir()) == ["kp-busy-0006"]
 
 
+@pytest.mark.parametrize("command", [["ls"], ["cancel", "kp-train-0005"], ["cleanup"]])
+def test_job_commands_on_the_local_backend_say_they_need_the_gke_backend(command, monkeypatch):
+    monkeypatch.setenv("KINETIC_BACKEND", "local")
+
+    result = cli.invoke(app, ["jobs", *command])
+
+    assert result.exit_code == 1
+    assert f"`kinetic-prefect jobs {command[0]}` works on Kubernetes Jobs" in result.output
+    assert "Pass --cluster with a KineticCluster block of backend gke" in result.output
+
+
 def test_cluster_option_uses_the_saved_blocks_kube_config_and_namespace(
     cluster, prefect_api, tmp_path, monkeypatch
 ):
