@@ -96,7 +96,7 @@ def main() -> None:
         f"\nPrefect UI: {api_url.removesuffix('/api')}  (Runs → the flow run → its task runs;"
         " each task run's Artifacts tab shows its pod, output dir and progress; the flow run's"
         " Artifacts show the metrics table and loss curves)."
-        "\nStop the server with: python deployments/local_server.py --stop"
+        "\nStop the server with: make demo-stop (python deployments/local_server.py --stop)"
     )
 
 

@@ -171,8 +171,12 @@ def current_overrides() -> dict[str, Any]:
 def _check_names(values: Mapping[str, Any], where: str) -> None:
     unknown = sorted(set(values) - set(SETTING_NAMES))
     if unknown:
+        import difflib
+
+        close = {n: difflib.get_close_matches(n, SETTING_NAMES, n=1) for n in unknown}
+        hints = [f"{n} (did you mean {m[0]}?)" if m else n for n, m in close.items()]
         raise ConfigurationError(
-            f"{where} got unknown setting(s) {', '.join(unknown)}; "
+            f"{where} got unknown setting(s) {', '.join(hints)}; "
             f"valid settings are: {', '.join(SETTING_NAMES)}."
         )
 

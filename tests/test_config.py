@@ -58,6 +58,11 @@ def test_unknown_setting_in_resources_lists_valid_settings():
         pass
 
 
+def test_a_misspelled_setting_is_named_with_the_setting_it_is_close_to():
+    with pytest.raises(ConfigurationError, match=r"warm_pod \(did you mean warm_pods\?\)"):
+        resolve_settings(environ={}, runner={"warm_pod": True})
+
+
 def test_invalid_environment_value_names_the_variable():
     with pytest.raises(ConfigurationError, match="KINETIC_MAX_PARALLEL"):
         resolve_settings(environ={"KINETIC_MAX_PARALLEL": "many"})

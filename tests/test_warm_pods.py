@@ -176,7 +176,10 @@ def test_leaving_the_flow_ends_its_idle_warm_pods(workdir):
 
     pid = run()
 
-    assert _pod_with_pid(workdir, pid).gone()
+    pod = _pod_with_pid(workdir, pid)
+    assert pod.gone()
+    assert "pod exited with code -15 after" in pod.log_path.read_text()
+    assert pod.log_path.read_text().rstrip().endswith("(stopped by the runner)")
 
 
 def _api_log_messages(task_run_ids: list[Any]) -> list[str]:

@@ -362,7 +362,8 @@ class LocalBackend:
             where = f" (host {ended.index} of {len(pod.hosts)})" if len(pod.hosts) > 1 else ""
             log.write(
                 f"kinetic-prefect local backend: pod exited with code {code}{where} "
-                f"after {time.monotonic() - pod.started_at:.3f}s\n"
+                f"after {time.monotonic() - pod.started_at:.3f}s"
+                f"{' (stopped by the runner)' if pod.cancelled else ''}\n"
             )
         self._finish(pod, exit_code=code, sig=sig, reason=reason, preempted=preempted)
 
