@@ -247,7 +247,8 @@ def _validate(settings: LaunchSettings) -> None:
 def _check_warm_idle(settings: LaunchSettings) -> None:
     from kinetic_prefect.pod.warm import reuse_margin
 
-    margin = reuse_margin(settings.jobs_root or "")
+    # The gke backend's jobs store is always a gs:// bucket.
+    margin = reuse_margin(settings.jobs_root or ("gs://" if settings.backend == "gke" else ""))
     if settings.warm_pods and settings.warm_pod_idle_seconds <= margin:
         raise ConfigurationError(
             f"warm_pod_idle_seconds={settings.warm_pod_idle_seconds:g} leaves no time to reuse a "

@@ -95,6 +95,8 @@ def test_a_warm_pod_idle_time_too_short_to_reuse_a_pod_is_refused_saying_what_to
     with pytest.raises(ConfigurationError, match=r"over 2s of its idle time .* at least 4,"):
         resolve_settings(environ={}, runner=on_gcs)
     assert resolve_settings(environ={}, runner={**on_gcs, "warm_pod_idle_seconds": 4}).warm_pods
+    with pytest.raises(ConfigurationError, match=r"over 2s of its idle time"):
+        resolve_settings(environ={}, runner={"backend": "gke", **on_gcs, "jobs_root": None})
 
 
 def test_a_warm_pod_idle_time_that_is_not_positive_is_refused():
