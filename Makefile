@@ -4,10 +4,12 @@ UV_VERSION := 0.9.30
 TOOLS := .tools
 UV := $(TOOLS)/bin/uv
 VENV := .venv
+# The conformance tests also run on the lowest Prefect pyproject.toml allows, in here.
+VENV_LOWEST := .venv-lowest
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export UV_PYTHON_DOWNLOADS := never
 
-.PHONY: demo demo-stop deploy-local worker-local e2e test lint bench clean
+.PHONY: demo demo-stop deploy-local worker-local e2e test test-lowest lint bench clean
 
 $(UV):
 	$(PYTHON) -m venv $(TOOLS)
@@ -15,6 +17,17 @@ $(UV):
 
 $(VENV)/.synced: $(UV) pyproject.toml uv.lock
 	$(UV) sync --frozen --compile-bytecode --python $(PYTHON)
+	touch $@
+
+# The lock's pins with Prefect at its lower bound (tests/helpers/lowest_prefect.py).
+$(VENV_LOWEST)/.synced: $(UV) pyproject.toml uv.lock tests/helpers/lowest_prefect.py
+	rm -rf $(VENV_LOWEST)
+	$(UV) venv --quiet --python $(PYTHON) $(VENV_LOWEST)
+	$(UV) export --frozen --no-hashes --no-emit-project --quiet \
+		| $(PYTHON) tests/helpers/lowest_prefect.py > $(VENV_LOWEST)/requirements.txt
+	VIRTUAL_ENV=$(VENV_LOWEST) $(UV) pip install --quiet --compile-bytecode \
+		-r $(VENV_LOWEST)/requirements.txt
+	VIRTUAL_ENV=$(VENV_LOWEST) $(UV) pip install --quiet --no-deps -e .
 	touch $@
 
 demo: $(VENV)/.synced
@@ -49,9 +62,15 @@ demo-stop: $(VENV)/.synced
 # Four pytest workers share the suite (many cases wait on pods and timeouts rather than
 # use a CPU); tests/helpers/scheduling.py says how: the worker tests on one worker, and
 # the timing-bound tests (`alone`) last, once the other workers have exited.
+# Then the conformance tests on the lowest Prefect that pyproject.toml allows.
 # A failure, or collecting no test (pytest's exit 5), fails.
-test: $(VENV)/.synced
+test: $(VENV)/.synced $(VENV_LOWEST)/.synced
 	$(VENV)/bin/python -m pytest -n 4 --dist loadgroup
+	$(MAKE) --no-print-directory test-lowest
+
+test-lowest: $(VENV_LOWEST)/.synced
+	$(VENV_LOWEST)/bin/python -c 'import prefect; print("Conformance on prefect", prefect.__version__)'
+	$(VENV_LOWEST)/bin/python -m pytest -n 4 --dist loadgroup tests/test_conformance.py
 
 lint: $(VENV)/.synced
 	$(VENV)/bin/ruff check kinetic_prefect tests flows blocks
@@ -62,4 +81,4 @@ bench: $(VENV)/.synced
 	for b in tests/benchmarks/bench_*.py; do $(VENV)/bin/python $$b; done
 
 clean:
-	rm -rf $(VENV) $(TOOLS) .kinetic
+	rm -rf $(VENV) $(VENV_LOWEST) $(TOOLS) .kinetic

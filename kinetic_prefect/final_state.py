@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import cloudpickle
+from prefect.client.schemas.objects import StateType
 from prefect.states import Cancelled, Crashed, Failed, State, get_state_exception
 
 from kinetic_prefect.backends.base import PodExit
@@ -26,6 +27,7 @@ from kinetic_prefect.errors import (
 from kinetic_prefect.pod.records import (
     FINAL_STATE_JSON,
     FINAL_STATE_PICKLE,
+    STATUS_ALREADY_FINAL,
     STATUS_PHASE_FAILED,
     FinalRecord,
 )
@@ -67,11 +69,20 @@ def read_attempt_end(
         if record.traceback:
             error.__cause__ = RemoteTraceback(record.traceback)
         return AttemptEnd(Failed(message=str(error), data=error), reported_by_pod=False)
+    if record.status == STATUS_ALREADY_FINAL:
+        # The pod changed nothing: the task run stays as recorded, and the future says so.
+        state: State[Any] = State(
+            type=StateType(record.state_type or StateType.CANCELLED.value),
+            name=record.state_name,
+            message=f"Pod {job_id} found the task run already {record.state_name} and "
+            f"left it so: {record.message or ''}".rstrip(": "),
+        )
+        return AttemptEnd(state, reported_by_pod=True)
     pickled = store.get_bytes(f"{prefix}/{FINAL_STATE_PICKLE}")
     if hashlib.sha256(pickled).hexdigest() != record.pickle_sha256:
         return _tampered(job_id, f"{FINAL_STATE_PICKLE} does not match the signed record's digest")
     final = cloudpickle.loads(pickled)
-    state: State[Any] = final["state"]
+    state = final["state"]
     if final.get("traceback"):
         attach_remote_traceback(state, final["traceback"])
     return AttemptEnd(state, reported_by_pod=True, task_run=final.get("task_run"))

@@ -14,6 +14,13 @@ same `KINETIC_OUTPUT_DIR`, so it resumes from its checkpoint.
 
 Every future is resolved exactly once (`TaskLaunch.resolve`), whichever of the
 watcher, the submitter or a cancel gets there first.
+
+A state the runner records as final is the task run's last word. Prefect keeps
+the state with the latest timestamp, and a pod being stopped may still record
+one (`Running`, as its engine starts; `Crashed`, as the stop interrupts it)
+after the runner wrote `Cancelled`. So once that pod has exited, and whenever
+the engine here decided `NotReady` while a cancel was being recorded, the
+runner's final state is recorded again (`Launcher.reassert_final`).
 """
 
 from __future__ import annotations
@@ -88,6 +95,8 @@ class TaskLaunch:
     local_data_paths: tuple[Path, ...] = ()
     data_bytes_uploaded: int = 0
     cancelled: bool = False
+    # The final state the runner itself recorded (a cancel, a crash, a launch failure).
+    recorded_final: State[Any] | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -155,11 +164,12 @@ class Launcher:
                 if not launch.cancelled:
                     # NotReady is decided by Prefect's engine itself, before calling the
                     # task, so no pod is needed.
-                    launch.resolve(
-                        prefect_bridge.run_not_ready(
-                            launch.task, launch.task_run, parameters, wait_for, dependencies
-                        )
+                    not_ready = prefect_bridge.run_not_ready(
+                        launch.task, launch.task_run, parameters, wait_for, dependencies
                     )
+                    if not launch.resolve(not_ready):
+                        # A cancel was recorded while the engine recorded NotReady.
+                        self.reassert_final(launch)
                 return
             if launch.cancelled:
                 return
@@ -222,6 +232,8 @@ class Launcher:
                 "dependencies": launch.dependencies,
                 "context": launch.serialized_context,
                 "versions": versions.fingerprint(),
+                # Where the shipped code lives here: the pod maps its file names for tracebacks.
+                "source_root": str(root),
             },
             root,
         )
@@ -303,7 +315,11 @@ class Launcher:
     # -- how an attempt ends (the backend's watcher thread) -----------------------
 
     def on_pod_exit(self, launch: TaskLaunch, outcome: PodExit) -> None:
-        if launch.future.done() or outcome.job_id != launch.job_id:
+        if outcome.job_id != launch.job_id:
+            return
+        if launch.future.done():
+            # Whatever the pod recorded while it was being stopped is older than this.
+            self.reassert_final(launch)
             return
         assert launch.store is not None
         try:
@@ -382,9 +398,44 @@ class Launcher:
                 logger.warning(
                     "Could not report %s for %s", state.type.value, launch.job_id, exc_info=True
                 )
+            launch.recorded_final = state
             launch.future.set_result(state)
 
+    def reassert_final(self, launch: TaskLaunch) -> None:
+        """Record the runner's final state again, now, so that it outlasts anything older.
+
+        No-op unless the runner resolved the task run itself (a pod's own report
+        stands as the pod recorded it).
+        """
+        with launch.lock:
+            state = launch.recorded_final
+            if state is None:
+                return
+            again = state.fresh_copy()
+            launch.recorded_final = again
+            try:
+                launch.in_context(prefect_bridge.report_state, launch.task_run, again)
+            except Exception:
+                logger.warning(
+                    "Could not record %s again for %s",
+                    state.type.value,
+                    launch.job_id,
+                    exc_info=True,
+                )
+
     # -- cancelling ---------------------------------------------------------------
+
+    def cancel_many(self, launches: list[TaskLaunch], message: str = CANCELLED_ON_EXIT) -> None:
+        """Cancel several task runs, none of them started by another's cancel.
+
+        Every one is marked first: a downstream woken by its upstream's cancel then
+        sees its own and starts nothing (no NotReady, no pod).
+        """
+        for launch in launches:
+            with launch.lock:
+                launch.cancelled = True
+        for launch in launches:
+            self.cancel(launch, message)
 
     def cancel(self, launch: TaskLaunch, message: str = CANCELLED_ON_EXIT) -> None:
         """Stop the task run: no further pod, the running one cancelled, the future Cancelled."""

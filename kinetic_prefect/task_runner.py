@@ -97,6 +97,13 @@ def _contains_future(value: Any) -> bool:
     return found
 
 
+def _cancelled_runner_error() -> RuntimeError:
+    return RuntimeError(
+        "This task runner was cancelled (cancel_all) and takes no new task runs; "
+        "submit to a new KineticTaskRunner, or run the flow again."
+    )
+
+
 class KineticTaskRunner(TaskRunner[KineticFuture]):
     """Run each submitted task in its own Kinetic pod.
 
@@ -127,8 +134,9 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
     preempted, out of memory) is recorded as `AwaitingRetry` with the reason and
     relaunched for the same task run while the task has retries left; every pod
     of a task run sees the same `KINETIC_OUTPUT_DIR`, so it resumes from its
-    checkpoint. `cancel_all()` (and leaving the flow) stops unfinished task runs
-    and resolves their futures `Cancelled`.
+    checkpoint. `cancel_all()` (and leaving the flow) stops unfinished task runs,
+    records them `Cancelled` and resolves their futures so; as with Prefect's own
+    runners, `submit` then raises `RuntimeError` until the runner is entered again.
 
     Example:
         ```python
@@ -170,6 +178,7 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
 
     def _reset_runtime(self) -> None:
         self._lock = threading.Lock()
+        self._cancelled_all = False
         self._launches: dict[uuid.UUID, TaskLaunch] = {}
         self._submitter: concurrent.futures.ThreadPoolExecutor | None = None
         self._task_counts: dict[tuple[str, str], int] = {}
@@ -205,6 +214,12 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
     def __hash__(self) -> int:
         return id(self)
 
+    def __enter__(self) -> Self:
+        super().__enter__()
+        with self._lock:
+            self._cancelled_all = False
+        return self
+
     def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> None:
         try:
             self.cancel_all()
@@ -213,16 +228,18 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
             super().__exit__(exc_type, exc_value, traceback)
 
     def cancel_all(self) -> None:
-        """Cancel every unfinished task run: pods stopped, futures resolved `Cancelled`.
+        """Cancel every unfinished task run: pods stopped, runs and futures `Cancelled`.
 
         As with Prefect's own runners, this is what leaving the flow does to task
-        runs that are still going; the runner stays usable for new submissions.
+        runs that are still going, and the runner takes no new work afterwards:
+        `submit` raises `RuntimeError` (a new runner, or this one entered again,
+        works normally).
         """
         with self._lock:
+            self._cancelled_all = True
             pending = [launch for launch in self._launches.values() if not launch.future.done()]
             submitter, self._submitter = self._submitter, None
-        for launch in pending:
-            self._launcher.cancel(launch, CANCELLED_ON_EXIT)
+        self._launcher.cancel_many(pending, CANCELLED_ON_EXIT)
         if submitter is not None:
             # Every future is resolved, so submitter threads waiting on upstreams return now.
             submitter.shutdown(wait=True, cancel_futures=True)
@@ -237,6 +254,8 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
         """Launch `task` with `parameters` in a pod; returns at once with a `KineticFuture`."""
         if not self._started:
             raise RuntimeError("The task runner must be started (use it as a flow's task_runner).")
+        if self._cancelled_all:
+            raise _cancelled_runner_error()
         settings = self._settings()
         accelerator = parse_accelerator(settings.accelerator, spot=spot_request(settings.spot))
         task = self._with_result_storage(task, settings)
@@ -258,12 +277,17 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
             job_ids=[make_job_id(task.name)],
         )
         with self._lock:
-            self._launches[task_run.id] = launch
-            if self._submitter is None:
-                self._submitter = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=8, thread_name_prefix="kinetic-submit"
-                )
-            submitter = self._submitter
+            submitter = None
+            if not self._cancelled_all:
+                self._launches[task_run.id] = launch
+                if self._submitter is None:
+                    self._submitter = concurrent.futures.ThreadPoolExecutor(
+                        max_workers=8, thread_name_prefix="kinetic-submit"
+                    )
+                submitter = self._submitter
+        if submitter is None:  # cancel_all() came while this run was being created
+            self._launcher.cancel(launch, CANCELLED_ON_EXIT)
+            raise _cancelled_runner_error()
         submitter.submit(
             launch.in_context,
             self._launcher.prepare_and_launch,

@@ -93,6 +93,30 @@ def leave_a_chain_unfinished(gate: str, finish: str) -> None:
         raise RuntimeError("leaving early")
 
 
+@task
+def wait_for_file_once_started(path: str, started_dir: str) -> str:
+    Path(started_dir, f"{os.getpid()}-{time.monotonic_ns()}").touch()
+    while not Path(path).exists():
+        time.sleep(0.05)
+    return path
+
+
+@flow(task_runner=KineticTaskRunner(cancel_grace_seconds=CANCEL_GRACE, max_parallel=4))
+def leave_unfinished(shape: str, finish: str, linger: bool, gate: str, started: str) -> None:
+    """Leaves a chain or a map with dependents unfinished, at once or once a pod runs."""
+    if shape == "chain":
+        a = wait_for_file_once_started.submit(gate, started)
+        b = plus_one.submit(1, wait_for=[a])
+        plus_one.submit(b)
+    else:
+        waiting = wait_for_file_once_started.map([gate] * 3, started_dir=started)
+        plus_one.map([1, 2, 3], wait_for=[waiting])
+    if linger:
+        wait_until(lambda: os.listdir(started), 120, "a pod to run its task")
+    if finish == "raise":
+        raise RuntimeError("leaving early")
+
+
 def _task_run_states(flow_run_id: object) -> list[str]:
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
@@ -120,19 +144,78 @@ def test_leaving_the_flow_with_a_chain_unfinished_cancels_every_task_run_within_
     assert elapsed < 30 + CANCEL_GRACE
 
 
-def test_cancel_all_stops_running_and_waiting_task_runs_and_the_runner_stays_usable(
+def test_twenty_flows_left_unfinished_in_mixed_shapes_leave_no_task_run_unfinished(
+    workdir: Path,
+):
+    shapes = [
+        (shape, finish, linger)
+        for linger in (False, True)
+        for shape in ("chain", "map")
+        for finish in ("return", "raise")
+    ]
+    cases = [shapes[i % len(shapes)] for i in range(20)]
+
+    def leave(index: int) -> object:
+        shape, finish, linger = cases[index]
+        started = workdir / f"started-{index}"
+        started.mkdir()
+        state = leave_unfinished(
+            shape, finish, linger, str(workdir / "never"), str(started), return_state=True
+        )
+        return state.state_details.flow_run_id
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        flow_run_ids = list(pool.map(leave, range(len(cases))))
+
+    def unfinished() -> dict[str, list[str]]:
+        states = {str(i): _task_run_states(i) for i in flow_run_ids}
+        return {i: s for i, s in states.items() if set(s) != {"CANCELLED"}}
+
+    wait_until(lambda: not unfinished(), CANCEL_GRACE + 30, "every task run to be Cancelled")
+    assert sum(len(_task_run_states(i)) for i in flow_run_ids) == 10 * 3 + 10 * 6
+
+
+def test_cancel_all_stops_running_and_waiting_task_runs_and_then_refuses_new_work(
     workdir: Path,
 ):
     @flow(task_runner=KineticTaskRunner(cancel_grace_seconds=CANCEL_GRACE))
-    def run() -> tuple[list[str], int]:
+    def run() -> tuple[list[str], str]:
         runner = FlowRunContext.get().task_runner  # type: ignore[union-attr]
         waiting = wait_for_file.submit(str(workdir / "never"))
         downstream = plus_one.submit(waiting)
         runner.cancel_all()
         cancelled = [waiting.state.type.value, downstream.state.type.value]
-        return cancelled, plus_one.submit(41).result()
+        with pytest.raises(RuntimeError) as refused:
+            plus_one.submit(41)
+        return cancelled, str(refused.value)
 
-    assert run() == (["CANCELLED", "CANCELLED"], 42)
+    cancelled, refusal = run()
+
+    assert cancelled == ["CANCELLED", "CANCELLED"]
+    assert "cancel_all" in refusal
+
+
+def test_a_new_runner_works_after_another_was_cancelled():
+    first = KineticTaskRunner()
+    with first:
+        first.cancel_all()
+
+    @flow(task_runner=first.duplicate())
+    def run() -> int:
+        return plus_one.submit(41).result()
+
+    assert run() == 42
+
+
+def test_cancel_all_matches_thread_pool_runner_refusing_submit():
+    with ThreadPoolTaskRunner() as runner:
+        runner.cancel_all()
+        with pytest.raises(RuntimeError):
+            runner.submit(plus_one, {"x": 1})
+    with KineticTaskRunner() as runner:
+        runner.cancel_all()
+        with pytest.raises(RuntimeError):
+            runner.submit(plus_one, {"x": 1})
 
 
 def test_a_future_resolves_once_whoever_gets_there_first():

@@ -19,7 +19,7 @@ from prefect.utilities.annotations import allow_failure, quote, unmapped
 from kinetic_prefect import KineticTaskRunner, resources
 from kinetic_prefect.accelerators import UnknownAcceleratorError
 from kinetic_prefect.errors import PayloadError, PodPhaseError
-from tests.helpers.waiting import wait_for_task_run_state, wait_until
+from tests.helpers.waiting import task_run_state, wait_for_task_run_state, wait_until
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
 
@@ -65,6 +65,43 @@ def hang_with_child(pid_file: str) -> None:
     threading.Event().wait()
 
 
+@task
+def touch(path: str) -> str:
+    Path(path).touch()
+    return path
+
+
+def test_a_pod_that_finds_its_task_run_already_final_runs_nothing_and_leaves_it_so(
+    workdir: Path,
+):
+    from prefect import get_client
+    from prefect.states import Cancelled
+
+    gate, ran = workdir / "gate", workdir / "ran"
+
+    @flow(task_runner=KineticTaskRunner(max_parallel=1))
+    def run() -> tuple[object, object]:
+        first = wait_for_gate.submit(str(gate))
+        queued = touch.submit(str(ran))  # its pod waits for the only slot
+        wait_until(lambda: task_run_state(queued.task_run_id), 30, "the queued run in the API")
+        with get_client(sync_client=True) as client:
+            client.set_task_run_state(
+                queued.task_run_id, Cancelled(message="Cancelled from the UI"), force=True
+            )
+        gate.touch()
+        first.wait()
+        queued.wait()
+        return queued.state, queued.task_run_id
+
+    state, task_run_id = run()
+
+    assert state.is_cancelled()  # type: ignore[attr-defined]
+    assert "already Cancelled" in state.message  # type: ignore[attr-defined]
+    assert not ran.exists()
+    recorded = task_run_state(task_run_id)
+    assert (recorded.name, recorded.message) == ("Cancelled", "Cancelled from the UI")
+
+
 def _alive(pid: int) -> bool:
     stat = Path(f"/proc/{pid}/stat")
     try:
@@ -100,6 +137,50 @@ def raise_in_a_pod(runner: KineticTaskRunner) -> tuple[str, object]:
         return "".join(traceback.format_exception(info.value)), future.task_run_id
 
     return failing()
+
+
+PROJECT_TASKS = """
+import time
+from pathlib import Path
+
+from prefect import task
+
+
+@task
+def explode_once_opened(gate: str, started: str) -> None:
+    Path(started).touch()
+    while not Path(gate).exists():
+        time.sleep(0.05)
+    raise ValueError("boom from the project")
+"""
+
+
+def test_remote_traceback_shows_the_source_line_when_only_the_pod_has_the_file(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+):
+    project = workdir / "project"
+    project.mkdir()
+    (project / "pyproject.toml").write_text("[project]\nname = 'project'\n")
+    (project / "project_tasks.py").write_text(PROJECT_TASKS)
+    monkeypatch.syspath_prepend(str(project))
+    from project_tasks import explode_once_opened  # type: ignore[import-not-found]
+
+    gate, started = workdir / "gate", workdir / "started"
+
+    @flow(task_runner=KineticTaskRunner())
+    def failing() -> str:
+        future = explode_once_opened.submit(str(gate), str(started))
+        wait_until(started.exists, 120, "the task to start in its pod")
+        # The pod runs its own copy from the code archive; this one is gone, as on GKE.
+        (project / "project_tasks.py").rename(workdir / "elsewhere.py")
+        gate.touch()
+        with pytest.raises(ValueError, match="boom from the project") as info:
+            future.result()
+        return "".join(traceback.format_exception(info.value))
+
+    formatted = failing()
+
+    assert 'raise ValueError("boom from the project")' in formatted
 
 
 def test_task_exception_is_reraised_with_the_pod_traceback_and_the_run_is_failed():

@@ -285,22 +285,22 @@ def test_a_task_handed_to_a_pod_that_ends_before_taking_it_runs_on_a_fresh_pod_w
     assert len(_pods(workdir)) == 2
 
 
-def test_cancelling_a_task_on_a_warm_pod_ends_that_pod_and_the_runner_goes_on(workdir):
+def test_cancelling_a_task_on_a_warm_pod_ends_that_pod_and_records_it_cancelled(workdir):
     @flow(task_runner=KineticTaskRunner(warm_pods=True, max_parallel=1, cancel_grace_seconds=2))
-    def run() -> tuple[int, str, int]:
+    def run() -> tuple[int, str, object]:
         runner = FlowRunContext.get().task_runner  # type: ignore[union-attr]
         first_pid = note_environment.submit(1).result()["pid"]
         waiting = wait_for_gate.submit(str(workdir / "never"))
         wait_for_task_run_state(waiting.task_run_id, "RUNNING")
         runner.cancel_all()
-        after_pid = note_environment.submit(2).result()["pid"]
-        return first_pid, waiting.state.type.value, after_pid
+        waiting.wait()
+        return first_pid, waiting.state.type.value, waiting.task_run_id
 
-    first_pid, cancelled, after_pid = run()
+    first_pid, cancelled, task_run_id = run()
 
     assert cancelled == "CANCELLED"
     assert _pod_with_pid(workdir, first_pid).ended
-    assert after_pid != first_pid
+    wait_for_task_run_state(task_run_id, "CANCELLED")
 
 
 @pytest.mark.parametrize("warm_pods", [False, True], ids=["cold", "warm"])

@@ -22,6 +22,8 @@ SIGNING_KEY_ENV = "KINETIC_RECORD_KEY"
 
 STATUS_FINISHED = "finished"
 STATUS_PHASE_FAILED = "phase-failed"
+# The task run was already final when the pod was about to run it: the pod left it as it was.
+STATUS_ALREADY_FINAL = "already-final"
 
 
 @dataclass

@@ -28,6 +28,7 @@ from kinetic_prefect.pod.records import (
     FINAL_STATE_JSON,
     FINAL_STATE_PICKLE,
     SIGNING_KEY_ENV,
+    STATUS_ALREADY_FINAL,
     STATUS_FINISHED,
     STATUS_PHASE_FAILED,
     FinalRecord,
@@ -40,6 +41,14 @@ EXIT_PHASE_FAILED = 2
 
 # Env var → path in Prefect's settings, for the secret settings delivered as env vars.
 SECRET_SETTING_PATHS_ENV = "KINETIC_SECRET_SETTING_PATHS"
+
+
+class TaskRunAlreadyFinal(Exception):
+    """The task run is already final (cancelled as its pod started): run and record nothing."""
+
+    def __init__(self, state: Any) -> None:
+        super().__init__(f"the task run is already {state.name}")
+        self.state = state
 
 
 class PhaseFailure(Exception):
@@ -74,7 +83,7 @@ class PodRun:
         started = time.perf_counter()
         try:
             yield
-        except PhaseFailure:
+        except (PhaseFailure, TaskRunAlreadyFinal):
             raise
         except Exception as exc:
             raise PhaseFailure(name, f"{type(exc).__name__}: {exc}", hint) from exc
@@ -240,16 +249,28 @@ def execute(run: PodRun) -> Any:
             context=contents["context"],
         )
         hydrate_started = time.perf_counter()
-        with (
-            hydrated_context(contents["context"]),
-            handle_engine_signals(contents["task_run"].id),
-        ):
+        with hydrated_context(contents["context"]):
             run.timings["hydrate"] = round(time.perf_counter() - hydrate_started, 4)
-            if task.isasync:
-                import asyncio
+            recorded = _recorded_state(contents["task_run"].id)
+            if recorded is not None and recorded.is_final():
+                raise TaskRunAlreadyFinal(recorded)
+            with handle_engine_signals(contents["task_run"].id):
+                if task.isasync:
+                    import asyncio
 
-                return asyncio.run(run_task_async(**kwargs))
-            return run_task_sync(**kwargs)
+                    return asyncio.run(run_task_async(**kwargs))
+                return run_task_sync(**kwargs)
+
+
+def _recorded_state(task_run_id: Any) -> Any:
+    """The task run's state as the API has it (None if it cannot tell)."""
+    from prefect import get_client
+
+    try:
+        with get_client(sync_client=True) as client:
+            return client.read_task_run(task_run_id).state
+    except Exception:
+        return None  # the engine's own first call will say what is wrong with the API
 
 
 def distributed(run: PodRun, index: int, hosts: int) -> None:
@@ -269,7 +290,7 @@ def run_other_host(run: PodRun, index: int) -> int:
     try:
         slice_host.run_function(run.contents)
     except BaseException as exc:
-        _log(f"host {index}: the task raised:\n{''.join(traceback.format_exception(exc))}")
+        _log(f"host {index}: the task raised:\n{format_traceback(exc, run)}")
         return EXIT_TASK_NOT_COMPLETED
     _log(f"host {index}: finished ({run.timings})")
     return EXIT_COMPLETED
@@ -319,7 +340,7 @@ def report(run: PodRun, state: Any) -> int:
         import cloudpickle
 
         exc = _exception_of(state)
-        tb = "".join(traceback.format_exception(exc)) if exc is not None else None
+        tb = format_traceback(exc, run) if exc is not None else None
         final = cloudpickle.dumps(
             {
                 "state": _shippable(state, run.contents["task"]),
@@ -339,6 +360,52 @@ def report(run: PodRun, state: Any) -> int:
             )
         )
     return EXIT_COMPLETED if state.is_completed() else EXIT_TASK_NOT_COMPLETED
+
+
+def format_traceback(exc: BaseException, run: PodRun) -> str:
+    """The exception's traceback, with the source lines of shipped code.
+
+    Code pickled by value keeps the file names it had where the flow runs; in the
+    pod those files exist only in the extracted code archive. Their lines are read
+    from there, so a remote traceback shows the task's own source.
+    """
+    root = run.contents.get("source_root") if run.contents else None
+    if root and run.workdir is not None:
+        for filename in _traceback_files(exc):
+            _cache_shipped_source(filename, Path(root), run.workdir)
+    return "".join(traceback.format_exception(exc))
+
+
+def _traceback_files(exc: BaseException) -> set[str]:
+    files: set[str] = set()
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [exc]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        tb = current.__traceback__
+        while tb is not None:
+            files.add(tb.tb_frame.f_code.co_filename)
+            tb = tb.tb_next
+        pending += [current.__cause__, current.__context__]
+    return files
+
+
+def _cache_shipped_source(filename: str, root: Path, workdir: Path) -> None:
+    import linecache
+
+    path = Path(filename)
+    if filename in linecache.cache or not path.is_absolute() or path.exists():
+        return
+    if not path.is_relative_to(root):
+        return
+    shipped = workdir / path.relative_to(root)
+    if shipped.is_file():
+        text = shipped.read_text(errors="replace")
+        # mtime None: linecache.checkcache leaves the entry alone.
+        linecache.cache[filename] = (len(text), None, text.splitlines(keepends=True), filename)
 
 
 def _log(message: str) -> None:
@@ -365,6 +432,19 @@ def run_task(run: PodRun, index: int, hosts: int) -> tuple[int, Any]:
         code = report(run, state)
         _log(f"finished: {state.type.value} ({run.timings})")
         return code, state
+    except TaskRunAlreadyFinal as final:
+        _log(f"{final}; it was left as it is")
+        record = FinalRecord(
+            status=STATUS_ALREADY_FINAL,
+            state_type=final.state.type.value,
+            state_name=final.state.name,
+            message=final.state.message,
+        )
+        try:
+            run.write_record(record)
+        except Exception as exc:  # the runner then sees a pod that ended without a word
+            _log(f"could not write {FINAL_STATE_JSON}: {exc}")
+        return EXIT_TASK_NOT_COMPLETED, None
     except PhaseFailure as failure:
         message = f"Failed during {failure.phase}: {failure}"
         if failure.hint:
@@ -378,7 +458,7 @@ def run_task(run: PodRun, index: int, hosts: int) -> tuple[int, Any]:
             phase=failure.phase,
             error_type=type(cause).__name__,
             message=message,
-            traceback="".join(traceback.format_exception(cause)),
+            traceback=format_traceback(cause, run),
         )
         try:
             run.write_record(record)
