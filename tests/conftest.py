@@ -15,7 +15,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
-from kinetic_prefect.backends.local import LocalBackend
+from kinetic_prefect.backends.local.backend import LocalBackend
 from tests.helpers.kube import KubeCluster, running_cluster
 from tests.helpers.prefect_server import migrated_database
 from tests.helpers.scheduling import SuiteScheduling, check_alone_marks
@@ -123,7 +123,7 @@ def gcs(gcs_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[GcsTestB
     """Emulator mode for this process and its pods, with a fresh bucket."""
     import uuid
 
-    from kinetic_prefect import gcs as kgcs
+    from kinetic_prefect.common import gcs as kgcs
 
     emulator_env = {"STORAGE_EMULATOR_HOST": gcs_endpoint, "TENSORSTORE_GCS_HTTP_URL": gcs_endpoint}
     for name, value in emulator_env.items():

@@ -1,6 +1,6 @@
 import pytest
 
-from kinetic_prefect.accelerators import (
+from kinetic_prefect.launch.accelerators import (
     Accelerator,
     UnknownAcceleratorError,
     catalogue,

@@ -19,17 +19,17 @@ from prefect_kubernetes.credentials import KubernetesClusterConfig
 from typer.testing import CliRunner
 
 from kinetic_prefect import KineticTaskRunner
-from kinetic_prefect.accelerators import parse_accelerator
+from kinetic_prefect.backends.local.pods import pods_labelled
 from kinetic_prefect.blocks import KineticCluster, KineticGcpCredentials
 from kinetic_prefect.cli import app
-from kinetic_prefect.local_pods import pods_labelled
-from kinetic_prefect.manifest import (
+from kinetic_prefect.launch.accelerators import parse_accelerator
+from kinetic_prefect.launch.manifest import (
     LABEL_JOB_ID,
     LABEL_TASK_RUN_ID,
     LaunchSpec,
     build_job_manifest,
 )
-from kinetic_prefect.slices import build_workload, host_index
+from kinetic_prefect.launch.slices import build_workload, host_index
 from tests.helpers.kube import KubeCluster, running_cluster
 from tests.helpers.kube_objects import Node
 from tests.helpers.waiting import wait_until

@@ -14,10 +14,15 @@ import pytest
 from prefect import flow
 
 from kinetic_prefect import KineticTaskRunner
-from kinetic_prefect.gcs import GcsStore
-from kinetic_prefect.jobs import cleanup_jobs
-from kinetic_prefect.packaging import Artifact, build_context_zip, context_keys, upload_context
-from kinetic_prefect.storage import LocalStore
+from kinetic_prefect.cli.jobs_store import cleanup_jobs
+from kinetic_prefect.common.gcs import GcsStore
+from kinetic_prefect.common.storage import LocalStore
+from kinetic_prefect.launch.packaging import (
+    Artifact,
+    build_context_zip,
+    context_keys,
+    upload_context,
+)
 from tests.helpers.clusters import gcs_cluster
 from tests.helpers.gcs import FaultInjectingProxy
 from tests.test_results_and_retries import cube

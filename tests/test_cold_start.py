@@ -14,7 +14,7 @@ from prefect.filesystems import LocalFileSystem
 from kinetic_prefect import KineticTaskRunner
 from kinetic_prefect.pod.blocks import build_known_blocks
 
-HEAVY_MODULES = ("prefect_gcp", "prefect_kubernetes", "kinetic_prefect.worker")
+HEAVY_MODULES = ("prefect_gcp", "prefect_kubernetes", "kinetic_prefect.worker.worker")
 # Files a task opened and never closed, kept alive until the pod process ends.
 _left_open: list[object] = []
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kinetic_prefect.config import current_overrides, resolve_settings, resources
 from kinetic_prefect.errors import ConfigurationError
+from kinetic_prefect.launch.settings import current_overrides, resolve_settings, resources
 
 
 def test_defaults_are_cpu_on_the_local_backend():

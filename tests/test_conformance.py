@@ -23,7 +23,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.utilities.annotations import allow_failure
 
 from kinetic_prefect import KineticTaskRunner
-from kinetic_prefect.launching import TaskLaunch
+from kinetic_prefect.runner.task_launch import TaskLaunch
 from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")

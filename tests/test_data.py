@@ -12,10 +12,10 @@ import pytest
 from prefect import flow, task
 
 from kinetic_prefect import Data, KineticTaskRunner
-from kinetic_prefect.data import DataError
-from kinetic_prefect.data_upload import hash_local, upload_local
-from kinetic_prefect.manifest import GCSFUSE_ANNOTATION, GCSFUSE_DRIVER
-from kinetic_prefect.storage import ArtifactStore, LocalStore, open_store
+from kinetic_prefect.common.storage import ArtifactStore, LocalStore, open_store
+from kinetic_prefect.data.data import DataError
+from kinetic_prefect.data.upload import hash_local, upload_local
+from kinetic_prefect.launch.manifest import GCSFUSE_ANNOTATION, GCSFUSE_DRIVER
 from tests.helpers.clusters import gcs_cluster
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")

@@ -13,7 +13,7 @@ from prefect import flow, task, unmapped
 from prefect.context import FlowRunContext
 
 from kinetic_prefect import Data, KineticTaskRunner
-from kinetic_prefect.data_upload import HashingReader, LocalDataHashes
+from kinetic_prefect.data.upload import HashingReader, LocalDataHashes
 from kinetic_prefect.errors import PodPhaseError
 from tests.helpers.clusters import gcs_cluster
 from tests.helpers.gcs import FaultInjectingProxy

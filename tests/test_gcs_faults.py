@@ -8,7 +8,7 @@ import pytest
 from prefect import flow, task
 
 from kinetic_prefect import KineticTaskRunner
-from kinetic_prefect.checkpoint import checkpoint_manager
+from kinetic_prefect.outputs.checkpoint import checkpoint_manager
 from tests.helpers.clusters import gcs_cluster
 from tests.helpers.gcs import FaultInjectingProxy
 

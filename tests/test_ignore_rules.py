@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kinetic_prefect.packaging import build_context_zip
+from kinetic_prefect.launch.packaging import build_context_zip
 
 SERVICE_ACCOUNT = {
     "type": "service_account",

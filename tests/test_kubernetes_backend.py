@@ -28,7 +28,7 @@ from prefect.settings import PREFECT_API_KEY, temporary_settings
 
 from kinetic_prefect import KineticTaskRunner
 from kinetic_prefect.errors import ConfigurationError
-from kinetic_prefect.manifest import LABEL_JOB_ID
+from kinetic_prefect.launch.manifest import LABEL_JOB_ID
 from tests.helpers.kube import KubeCluster
 from tests.helpers.kube_objects import Node
 from tests.helpers.waiting import wait_for_task_run_state, wait_until

@@ -18,7 +18,7 @@ import pytest
 from prefect import flow, task
 
 from kinetic_prefect import KineticTaskRunner
-from kinetic_prefect.backends.local_template import TEMPLATE_ENV, is_startup_variable
+from kinetic_prefect.backends.local.template import TEMPLATE_ENV, is_startup_variable
 from kinetic_prefect.pod.template import PRELOADED
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")

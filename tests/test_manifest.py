@@ -8,8 +8,8 @@ import re
 import kubernetes_validate
 import pytest
 
-from kinetic_prefect.accelerators import parse_accelerator
-from kinetic_prefect.manifest import (
+from kinetic_prefect.launch.accelerators import parse_accelerator
+from kinetic_prefect.launch.manifest import (
     LaunchSpec,
     SecretRef,
     build_job_manifest,

@@ -10,7 +10,7 @@ import pytest
 from prefect import flow, get_client, task
 
 from kinetic_prefect import KineticTaskRunner
-from kinetic_prefect.checkpoint import checkpoint_manager, output_dir
+from kinetic_prefect.outputs.checkpoint import checkpoint_manager, output_dir
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kinetic_prefect.errors import PayloadError
-from kinetic_prefect.packaging import (
+from kinetic_prefect.launch.packaging import (
     build_context_zip,
     check_picklable,
     find_package_root,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import cloudpickle
 
-from kinetic_prefect.pod.records import FinalRecord
+from kinetic_prefect.common.records import FinalRecord
 
 
 def _pod_command(job_dir: Path, payload_sha: str, context_sha: str) -> list[str]:

@@ -10,7 +10,7 @@ from prefect import flow, get_client, task
 from prefect.runtime import task_run
 
 from kinetic_prefect import KineticTaskRunner
-from kinetic_prefect.checkpoint import checkpoint_manager
+from kinetic_prefect.outputs.checkpoint import checkpoint_manager
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
 

@@ -24,7 +24,7 @@ from prefect import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.settings import get_current_settings
 
-from kinetic_prefect.manifest import LABEL_FLOW_RUN_ID, LABEL_TASK_IDENTITY, LABEL_WARM
+from kinetic_prefect.launch.manifest import LABEL_FLOW_RUN_ID, LABEL_TASK_IDENTITY, LABEL_WARM
 from tests.conftest import GcsTestBucket
 from tests.helpers.kube import KubeCluster
 from tests.helpers.waiting import wait_until

@@ -20,9 +20,9 @@ from prefect.filesystems import LocalFileSystem
 from prefect.runtime import task_run
 
 from kinetic_prefect import KineticTaskRunner
-from kinetic_prefect.checkpoint import checkpoint_manager, output_dir
+from kinetic_prefect.cli.jobs_store import cleanup_jobs
 from kinetic_prefect.errors import ConfigurationError
-from kinetic_prefect.jobs import cleanup_jobs
+from kinetic_prefect.outputs.checkpoint import checkpoint_manager, output_dir
 from tests.helpers.clusters import gcs_cluster
 from tests.helpers.waiting import wait_for_task_run_state
 

@@ -18,12 +18,12 @@ from prefect.settings import (
 )
 
 from kinetic_prefect.backends.base import PodExit
+from kinetic_prefect.common.records import FINAL_STATE_JSON, FINAL_STATE_PICKLE, FinalRecord
+from kinetic_prefect.common.storage import ArtifactStore, open_store
 from kinetic_prefect.errors import TamperedRecordError
-from kinetic_prefect.final_state import read_attempt_end
-from kinetic_prefect.pod.records import FINAL_STATE_JSON, FINAL_STATE_PICKLE, FinalRecord
-from kinetic_prefect.pod_secrets import PodSecrets
-from kinetic_prefect.pod_settings import pod_settings_env, secret_setting_paths
-from kinetic_prefect.storage import ArtifactStore, open_store
+from kinetic_prefect.launch.pod_secrets import PodSecrets
+from kinetic_prefect.launch.pod_settings import pod_settings_env, secret_setting_paths
+from kinetic_prefect.runner.attempt_end import read_attempt_end
 from tests.helpers.leaks import canary_settings, leaks, scanned_artifacts
 from tests.test_kubernetes_backend import _runner
 

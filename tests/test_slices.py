@@ -5,10 +5,10 @@ from __future__ import annotations
 import kubernetes_validate
 import pytest
 
-from kinetic_prefect.accelerators import parse_accelerator
 from kinetic_prefect.errors import ConfigurationError
-from kinetic_prefect.manifest import build_job_manifest
-from kinetic_prefect.slices import build_workload, refuse_for_flow_runs
+from kinetic_prefect.launch.accelerators import parse_accelerator
+from kinetic_prefect.launch.manifest import build_job_manifest
+from kinetic_prefect.launch.slices import build_workload, refuse_for_flow_runs
 from tests.test_manifest import _spec
 
 

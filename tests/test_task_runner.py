@@ -17,8 +17,8 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.utilities.annotations import allow_failure, quote, unmapped
 
 from kinetic_prefect import KineticTaskRunner, resources
-from kinetic_prefect.accelerators import UnknownAcceleratorError
 from kinetic_prefect.errors import PayloadError, PodPhaseError
+from kinetic_prefect.launch.accelerators import UnknownAcceleratorError
 from tests.helpers.waiting import task_run_state, wait_for_task_run_state, wait_until
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")

@@ -17,10 +17,10 @@ from prefect.settings import PREFECT_LOGGING_TO_API_BATCH_INTERVAL, temporary_se
 from typer.testing import CliRunner
 
 from kinetic_prefect import KineticTaskRunner, resources
-from kinetic_prefect.checkpoint import output_dir
+from kinetic_prefect.backends.local.pods import LocalPod, read_pod
 from kinetic_prefect.cli import app
-from kinetic_prefect.local_pods import LocalPod, read_pod
-from kinetic_prefect.pod.warm import BEGIN_MARK
+from kinetic_prefect.common.handover import BEGIN_MARK
+from kinetic_prefect.outputs.checkpoint import output_dir
 from tests.helpers.waiting import wait_for_task_run_state, wait_until
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
@@ -211,7 +211,7 @@ def test_a_handover_write_that_fails_after_it_landed_retries_the_task_instead_of
     workdir, monkeypatch
 ):
     """As a GCS upload that times out after the object was stored: the pod took the task."""
-    from kinetic_prefect.storage import LocalStore
+    from kinetic_prefect.common.storage import LocalStore
 
     put_bytes = LocalStore.put_bytes
 
@@ -241,7 +241,7 @@ def test_a_handover_write_that_fails_after_it_landed_retries_the_task_instead_of
 def test_a_pod_that_dies_while_the_store_cannot_say_whether_it_took_its_task_crashes_the_task(
     workdir, monkeypatch
 ):
-    from kinetic_prefect.storage import LocalStore
+    from kinetic_prefect.common.storage import LocalStore
 
     exists = LocalStore.exists
 

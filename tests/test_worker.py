@@ -44,15 +44,15 @@ from prefect.settings import (
 )
 from prefect.states import Cancelling
 
-from kinetic_prefect.manifest import (
+from kinetic_prefect.common.records import FINAL_STATE_JSON, FinalRecord
+from kinetic_prefect.launch.manifest import (
     LABEL_FLOW_RUN_ID,
     LABEL_JOB_ID,
     LABEL_MANAGED_BY,
     LABEL_TASK_RUN_ID,
     container_of,
 )
-from kinetic_prefect.pod.records import FINAL_STATE_JSON, FinalRecord
-from kinetic_prefect.worker import KineticJobConfiguration, KineticWorker, plan_flow_pod
+from kinetic_prefect.worker.worker import KineticJobConfiguration, KineticWorker, plan_flow_pod
 from tests.helpers import deployed_flows
 from tests.helpers.pod_env import service_account_token
 from tests.helpers.prefect_server import PrefectServer, prefect_server, prefect_worker

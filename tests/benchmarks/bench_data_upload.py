@@ -24,8 +24,8 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from kinetic_prefect import gcs as kgcs
-from kinetic_prefect.data_upload import LocalDataHashes
+from kinetic_prefect.common import gcs as kgcs
+from kinetic_prefect.data.upload import LocalDataHashes
 
 LAYOUTS = (1, 16, 1024)
 

@@ -54,7 +54,7 @@ def _run(cluster_name: str, n: int, max_parallel: int, warm: bool) -> tuple[list
 
 
 def main(n: int = 100, max_parallel: int = 4) -> None:
-    from kinetic_prefect import gcs as kgcs
+    from kinetic_prefect.common import gcs as kgcs
     from tests.conftest import GcsTestBucket
     from tests.helpers.clusters import gcs_cluster
     from tests.helpers.gcs import FaultInjectingProxy, fake_gcs_server

@@ -32,8 +32,8 @@ from typing import Any
 import aiohttp
 
 from kinetic_prefect.backends.base import PodExit
-from kinetic_prefect.backends.local import LocalBackend
-from kinetic_prefect.slices import hosts_of
+from kinetic_prefect.backends.local.backend import LocalBackend
+from kinetic_prefect.launch.slices import hosts_of
 from tests.helpers.kube_emulator import JOBS, ClusterEmulator
 from tests.helpers.kube_objects import (
     Node,
