@@ -123,7 +123,7 @@ def main(repeats: int = 3) -> None:
     repo = str(Path(__file__).resolve().parents[2])
     if repo not in sys.path:
         sys.path.insert(0, repo)
-    from tests.helpers.gcs import fake_gcs_server
+    from tests.support.gcs import fake_gcs_server
 
     with fake_gcs_server() as url:
         # gcsfs, TensorStore and google-cloud-storage read these when first used.

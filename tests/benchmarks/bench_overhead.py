@@ -128,8 +128,8 @@ def _gcs_requests(n: int) -> dict[str, float]:
 
     from kinetic_prefect.common import gcs as kgcs
     from tests.conftest import GcsTestBucket
-    from tests.helpers.clusters import gcs_cluster
-    from tests.helpers.gcs import FaultInjectingProxy, fake_gcs_server
+    from tests.support.clusters import gcs_cluster
+    from tests.support.gcs import FaultInjectingProxy, fake_gcs_server
 
     per_task: dict[str, float] = {}
     with fake_gcs_server() as upstream, FaultInjectingProxy(upstream, every=None) as proxy:
