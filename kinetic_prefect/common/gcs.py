@@ -1,4 +1,4 @@
-"""Google Cloud Storage: clients with retries, emulator mode, and the artifact store.
+"""Google Cloud Storage: clients with retries, emulator mode, and the jobs store on a bucket.
 
 Emulator mode: when `STORAGE_EMULATOR_HOST` is set, every client this project
 creates uses anonymous credentials, in the orchestrator and in every pod.
@@ -107,7 +107,7 @@ def _shared_client() -> Client:
 
 
 class GcsStore:
-    """The artifact store over `gs://bucket/prefix`, with byte and request counters."""
+    """The jobs store over `gs://bucket/prefix`, with byte and request counters."""
 
     def __init__(self, root: str, client: Client | None = None) -> None:
         self.bucket_name, self.prefix = split_gs_uri(root)

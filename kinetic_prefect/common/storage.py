@@ -1,4 +1,4 @@
-"""Artifact store over local directories and `gs://` URIs.
+"""The jobs store (`JobsStore`) over a local directory or a `gs://` prefix, and URI helpers.
 
 Used on both sides: the orchestrator uploads payloads and reads final states;
 the pod downloads payloads and writes final states. Keys are `/`-separated.
@@ -16,7 +16,7 @@ from typing import BinaryIO, Protocol
 _PARTIAL = ".kinetic-partial"  # a write in progress, not yet renamed into place
 
 
-class ArtifactStore(Protocol):
+class JobsStore(Protocol):
     """What both stores offer; `key`s are relative to the store's root."""
 
     root: str
@@ -98,7 +98,7 @@ class LocalStore:
         return 0
 
 
-def open_store(root: str) -> ArtifactStore:
+def open_store(root: str) -> JobsStore:
     """The store for a root: `gs://bucket[/prefix]` or a local directory."""
     if root.startswith("gs://"):
         from kinetic_prefect.common.gcs import GcsStore
@@ -111,7 +111,7 @@ def open_store(root: str) -> ArtifactStore:
     return LocalStore(root)
 
 
-def split_uri(uri: str) -> tuple[ArtifactStore, str]:
+def split_uri(uri: str) -> tuple[JobsStore, str]:
     """Split a full artifact URI into its store and key (the last path element)."""
     if uri.startswith("gs://"):
         head, _, key = uri.rpartition("/")

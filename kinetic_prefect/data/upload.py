@@ -19,7 +19,7 @@ from typing import Any, BinaryIO
 
 from prefect.logging import get_logger
 
-from kinetic_prefect.common.storage import ArtifactStore
+from kinetic_prefect.common.storage import JobsStore
 from kinetic_prefect.data.data import Data, DataRef
 from kinetic_prefect.data.marker import (
     DataError,
@@ -142,7 +142,7 @@ class HashingReader:
         return None if self._state is None else self._state.hexdigest()
 
 
-def _upload_file(store: ArtifactStore, content: LocalContent, item: FileDigest) -> int:
+def _upload_file(store: JobsStore, content: LocalContent, item: FileDigest) -> int:
     key = cache_key(content.sha256, item.relative)
     path = content.path_of(item)
     changed = DataError(
@@ -164,7 +164,7 @@ def _upload_file(store: ArtifactStore, content: LocalContent, item: FileDigest) 
     return item.size
 
 
-def _files_to_upload(store: ArtifactStore, content: LocalContent) -> list[FileDigest]:
+def _files_to_upload(store: JobsStore, content: LocalContent) -> list[FileDigest]:
     """The files the cache lacks: all without a marker, else those missing or of the wrong size."""
     marker = marker_key(content.sha256)
     if not store.exists(marker):
@@ -188,7 +188,7 @@ def _files_to_upload(store: ArtifactStore, content: LocalContent) -> list[FileDi
     return missing
 
 
-def upload_local(store: ArtifactStore, content: LocalContent, workers: int = 4) -> int:
+def upload_local(store: JobsStore, content: LocalContent, workers: int = 4) -> int:
     """Make `data-cache/{sha256}/` a complete copy of `content`; returns bytes transferred.
 
     A file whose bytes no longer match its hash is refused (and its partial
@@ -241,7 +241,7 @@ class LocalDataHashes:
             logger.debug("Hashed %s: %d files, %d bytes", path, len(files), content.size)
             return content
 
-    def ship(self, store: ArtifactStore, path: Path) -> tuple[LocalContent, int]:
+    def ship(self, store: JobsStore, path: Path) -> tuple[LocalContent, int]:
         """Hash `path` (or reuse its hash) and make sure the data cache holds it."""
         content = self.content(path)
         with self._lock(("upload", store.root, content.sha256)):
@@ -262,7 +262,7 @@ def gcs_size(uri: str) -> tuple[int, bool]:
     return entries[0], False
 
 
-def describe(item: Data, store: ArtifactStore, hashes: LocalDataHashes) -> tuple[DataRef, int]:
+def describe(item: Data, store: JobsStore, hashes: LocalDataHashes) -> tuple[DataRef, int]:
     """The `DataRef` a pod needs for `item` (uploading local data if the cache lacks it),
     and the bytes uploaded for it."""
     if item.is_gcs:

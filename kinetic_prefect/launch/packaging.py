@@ -27,7 +27,7 @@ import cloudpickle
 from prefect.logging import get_logger
 
 from kinetic_prefect.common import layout
-from kinetic_prefect.common.storage import ArtifactStore
+from kinetic_prefect.common.storage import JobsStore
 from kinetic_prefect.errors import PayloadError
 from kinetic_prefect.launch.ignore import IGNORE_FILE, iter_package_files
 
@@ -94,7 +94,7 @@ _UPLOAD_LOCKS: dict[tuple[str, str], threading.Lock] = {}
 _UPLOAD_LOCKS_GUARD = threading.Lock()
 
 
-def upload_context(store: ArtifactStore, archive: Artifact) -> str:
+def upload_context(store: JobsStore, archive: Artifact) -> str:
     """Upload the code archive once per content and return its URI.
 
     The archive goes to `code-cache/{sha256}.zip`; the marker

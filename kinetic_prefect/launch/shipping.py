@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kinetic_prefect.common.storage import ArtifactStore
+from kinetic_prefect.common.storage import JobsStore
 from kinetic_prefect.data import data
 from kinetic_prefect.data import upload as data_upload
 from kinetic_prefect.launch.manifest import DataVolume
@@ -35,7 +35,7 @@ class ShippedData:
 
 
 def ship_parameters(
-    store: ArtifactStore, parameters: dict[str, Any], hashes: data_upload.LocalDataHashes
+    store: JobsStore, parameters: dict[str, Any], hashes: data_upload.LocalDataHashes
 ) -> ShippedData:
     """Upload local `Data` in `parameters` once and describe each `Data` for the pod.
 

@@ -25,7 +25,7 @@ from kinetic_prefect.common.records import (
     STATUS_PHASE_FAILED,
     FinalRecord,
 )
-from kinetic_prefect.common.storage import ArtifactStore
+from kinetic_prefect.common.storage import JobsStore
 from kinetic_prefect.errors import (
     PodCrashedError,
     PodPhaseError,
@@ -45,7 +45,7 @@ class AttemptEnd:
 
 
 def read_attempt_end(
-    store: ArtifactStore, job_id: str, outcome: PodExit, signing_key: str
+    store: JobsStore, job_id: str, outcome: PodExit, signing_key: str
 ) -> AttemptEnd:
     """The attempt's end from the job directory, or from `outcome` when the pod left no record.
 

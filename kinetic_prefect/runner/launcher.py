@@ -33,16 +33,17 @@ from typing import Any
 from prefect.logging import get_logger
 from prefect.states import Cancelled, Failed, Pending, State
 
-from kinetic_prefect.backends.base import PodExit
+from kinetic_prefect.backends.base import Backend, PodExit
 from kinetic_prefect.common import layout, versions
 from kinetic_prefect.common.env import ATTEMPT_ENV, CLIENT_VERSIONS_ENV, SIGNING_KEY_ENV
-from kinetic_prefect.common.storage import open_store
+from kinetic_prefect.common.storage import JobsStore, open_store
 from kinetic_prefect.data import data
 from kinetic_prefect.errors import PodPhaseError, PodStartError
 from kinetic_prefect.launch import prefect_context
 from kinetic_prefect.launch.manifest import LaunchSpec
 from kinetic_prefect.launch.manifest import new_job_id as make_job_id
 from kinetic_prefect.launch.packaging import (
+    Artifact,
     build_payload,
     find_package_root,
     size_warning,
@@ -147,6 +148,37 @@ class Launcher:
         jobs_root = settings.resolved_jobs_root()
         store = launch.store or open_store(jobs_root)
         launch.store = store
+        payload_uri, payload_sha256, code = self._upload_attempt(launch, store)
+        secrets = self._pod_secrets(launch)
+        spec = LaunchSpec(
+            job_id=launch.job_id,
+            task_name=launch.task.name,
+            task_run_id=str(launch.task_run.id),
+            flow_run_id=str(launch.task_run.flow_run_id) if launch.task_run.flow_run_id else None,
+            accelerator=launch.attempt_accelerator(),
+            image=settings.resolved_image(),
+            namespace=settings.namespace,
+            payload_uri=payload_uri,
+            payload_sha256=payload_sha256,
+            context_uri=upload_context(store, code),
+            context_sha256=code.sha256,
+            job_dir_uri=store.uri(layout.job_dir(launch.job_id)),
+            output_dir=launch.output_dir,
+            env=self._pod_env(launch, store),
+            secret_env=secrets.refs(),
+            timeout_seconds=settings.timeout_seconds,
+            ttl_seconds_after_finished=settings.ttl_seconds_after_finished,
+            service_account=settings.service_account,
+            data_volumes=launch.data_volumes,
+            extra_labels=identity_labels(launch),
+        )
+        backend = self.resources.backend_for(settings, jobs_root)
+        if self.resources.warm_pods.take(launch, spec, backend, store, secrets, self):
+            return
+        self._launch_cold(launch, spec, backend, secrets)
+
+    def _upload_attempt(self, launch: TaskLaunch, store: JobsStore) -> tuple[str, str, Artifact]:
+        """The attempt's payload, uploaded (its URI and sha256), and its code archive."""
         source = inspect.getsourcefile(launch.task.fn) if hasattr(launch.task, "fn") else None
         root = find_package_root(source, self.resources.package_root)
         launch.task_run.run_count = launch.runs_used
@@ -170,18 +202,24 @@ class Launcher:
         if warning:
             logger.warning(warning)
         code = self.resources.context_zip(root, launch.local_data_paths)
-        prefix = layout.job_dir(launch.job_id)
-        payload_uri = store.put_bytes(f"{prefix}/{layout.PAYLOAD_FILE}", payload.data)
-        context_uri = upload_context(store, code)
-        plain_env, user_secrets = split_env(settings.env)
-        secrets = PodSecrets(
+        key = layout.job_file(launch.job_id, layout.PAYLOAD_FILE)
+        return store.put_bytes(key, payload.data), payload.sha256, code
+
+    def _pod_secrets(self, launch: TaskLaunch) -> PodSecrets:
+        """Prefect's secret settings, the user's secret env and the record key: one Secret."""
+        _, user_secrets = split_env(launch.settings.env)
+        return PodSecrets(
             {
                 **prefect_context.secret_values(),
                 **user_secrets,
                 SIGNING_KEY_ENV: self.resources.signing_key(launch),
             }
         )
-        env = {
+
+    def _pod_env(self, launch: TaskLaunch, store: JobsStore) -> dict[str, str]:
+        """The pod's plain env: Prefect's allowed settings, the lease, the user's, the attempt's."""
+        plain_env, _ = split_env(launch.settings.env)
+        return {
             **prefect_context.pod_settings_env(),
             **self.resources.lease_env(launch, store),
             **plain_env,
@@ -189,31 +227,11 @@ class Launcher:
             ATTEMPT_ENV: str(launch.pods_launched + 1),
             "PYTHONUNBUFFERED": "1",
         }
-        spec = LaunchSpec(
-            job_id=launch.job_id,
-            task_name=launch.task.name,
-            task_run_id=str(launch.task_run.id),
-            flow_run_id=str(launch.task_run.flow_run_id) if launch.task_run.flow_run_id else None,
-            accelerator=launch.attempt_accelerator(),
-            image=settings.resolved_image(),
-            namespace=settings.namespace,
-            payload_uri=payload_uri,
-            payload_sha256=payload.sha256,
-            context_uri=context_uri,
-            context_sha256=code.sha256,
-            job_dir_uri=store.uri(prefix),
-            output_dir=launch.output_dir,
-            env=env,
-            secret_env=secrets.refs(),
-            timeout_seconds=settings.timeout_seconds,
-            ttl_seconds_after_finished=settings.ttl_seconds_after_finished,
-            service_account=settings.service_account,
-            data_volumes=launch.data_volumes,
-            extra_labels=identity_labels(launch),
-        )
-        backend = self.resources.backend_for(settings, jobs_root)
-        if self.resources.warm_pods.take(launch, spec, backend, store, secrets, self):
-            return
+
+    def _launch_cold(
+        self, launch: TaskLaunch, spec: LaunchSpec, backend: Backend, secrets: PodSecrets
+    ) -> None:
+        """Hand the attempt's Job (and, for a slice, its Service) to the backend."""
         workload = build_workload(spec)
         launch.manifest = workload.job
         job_id = launch.job_id

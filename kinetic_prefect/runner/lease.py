@@ -18,7 +18,7 @@ import time
 
 from prefect.logging import get_logger
 
-from kinetic_prefect.common.storage import ArtifactStore
+from kinetic_prefect.common.storage import JobsStore
 
 logger = get_logger("kinetic_prefect.runner.lease")
 
@@ -26,7 +26,7 @@ logger = get_logger("kinetic_prefect.runner.lease")
 class Lease:
     """Renews one lease object in the background until `release()`."""
 
-    def __init__(self, store: ArtifactStore, key: str, timeout_seconds: float) -> None:
+    def __init__(self, store: JobsStore, key: str, timeout_seconds: float) -> None:
         self.store = store
         self.key = key
         self.uri = store.uri(key)

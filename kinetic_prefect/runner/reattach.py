@@ -38,7 +38,7 @@ from prefect.logging import get_logger
 from prefect.states import Running, State
 
 from kinetic_prefect.backends.base import Backend, FoundPod, PodExit
-from kinetic_prefect.common.storage import ArtifactStore, open_store
+from kinetic_prefect.common.storage import JobsStore, open_store
 from kinetic_prefect.launch.identity import task_identity
 from kinetic_prefect.launch.manifest import LABEL_TASK_IDENTITY
 from kinetic_prefect.runner import prefect_engine as prefect_bridge
@@ -141,7 +141,7 @@ class Reattacher:
         launcher: AttemptHooks,
         launch: TaskLaunch,
         backend: Backend,
-        store: ArtifactStore,
+        store: JobsStore,
         pod: FoundPod,
     ) -> None:
         # From now on this process renews the flow run's lease, so the pod lives on.
@@ -180,7 +180,7 @@ class Reattacher:
         )
         launcher.schedule_relaunch(launch, note, delay=0.0)
 
-    def _read_end(self, launch: TaskLaunch, store: ArtifactStore, outcome: PodExit) -> AttemptEnd:
+    def _read_end(self, launch: TaskLaunch, store: JobsStore, outcome: PodExit) -> AttemptEnd:
         key = self._resources.signing_key(launch)
         return read_attempt_end(store, outcome.job_id, outcome, key)
 

@@ -17,7 +17,7 @@ from kinetic_prefect.backends import create_backend
 from kinetic_prefect.backends.base import Backend
 from kinetic_prefect.common.env import FLOW_RUN_ID_ENV, LEASE_URI_ENV, ORPHAN_TIMEOUT_ENV
 from kinetic_prefect.common.layout import lease_key
-from kinetic_prefect.common.storage import ArtifactStore
+from kinetic_prefect.common.storage import JobsStore
 from kinetic_prefect.data import upload as data_upload
 from kinetic_prefect.launch.packaging import Artifact, build_context_zip, size_warning
 from kinetic_prefect.launch.settings import LaunchSettings
@@ -86,7 +86,7 @@ class RunnerResources:
             master = self._master_key
         return record_key.flow_run_key(master, str(launch.task_run.flow_run_id or "no-flow-run"))
 
-    def lease_env(self, launch: TaskLaunch, store: ArtifactStore) -> dict[str, str]:
+    def lease_env(self, launch: TaskLaunch, store: JobsStore) -> dict[str, str]:
         """What a pod needs to tell whether its flow run still has an owner (renewing it)."""
         flow_run_id = str(launch.task_run.flow_run_id or "no-flow-run")
         timeout = launch.settings.orphan_timeout_seconds

@@ -20,7 +20,7 @@ from prefect.client.schemas.objects import TaskRun
 from prefect.states import State
 
 from kinetic_prefect.backends.base import Backend, PodExit
-from kinetic_prefect.common.storage import ArtifactStore
+from kinetic_prefect.common.storage import JobsStore
 from kinetic_prefect.launch.accelerators import Accelerator, parse_accelerator
 from kinetic_prefect.launch.manifest import DataVolume
 from kinetic_prefect.launch.settings import LaunchSettings, spot_request
@@ -40,7 +40,7 @@ class TaskLaunch:
     context: contextvars.Context
     serialized_context: dict[str, Any]
     job_ids: list[str] = field(default_factory=list)
-    store: ArtifactStore | None = None
+    store: JobsStore | None = None
     backend: Backend | None = None
     manifest: dict[str, Any] = field(default_factory=dict)
     pods_launched: int = 0

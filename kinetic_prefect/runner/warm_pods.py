@@ -39,7 +39,7 @@ from kinetic_prefect.common import layout
 from kinetic_prefect.common.env import ATTEMPT_ENV, TASK_RUN_ID_ENV, WARM_DIR_ENV, WARM_IDLE_ENV
 from kinetic_prefect.common.layout import WARM_POD_JSON
 from kinetic_prefect.common.records import FINAL_STATE_JSON, STATUS_PHASE_FAILED, FinalRecord
-from kinetic_prefect.common.storage import ArtifactStore
+from kinetic_prefect.common.storage import JobsStore
 from kinetic_prefect.launch.manifest import (
     LABEL_TASK_IDENTITY,
     LABEL_WARM,
@@ -67,7 +67,7 @@ def warm_placement(
     launch: TaskLaunch,
     spec: LaunchSpec,
     backend: Backend,
-    store: ArtifactStore,
+    store: JobsStore,
     secrets: PodSecrets,
     launcher: AttemptHooks,
 ) -> Placement:
@@ -111,7 +111,7 @@ class Placement:
     spec: LaunchSpec
     key: str
     backend: Backend
-    store: ArtifactStore
+    store: JobsStore
     secrets: PodSecrets
     idle_seconds: float
     on_end: OnEnd
@@ -123,7 +123,7 @@ class WarmPod:
     pod_id: str
     key: str
     backend: Backend
-    store: ArtifactStore
+    store: JobsStore
     idle_seconds: float
     manifest: dict[str, Any] = field(default_factory=dict)
     placement: Placement | None = None  # the task it runs now
@@ -258,7 +258,7 @@ class WarmPods:
         launch: TaskLaunch,
         spec: LaunchSpec,
         backend: Backend,
-        store: ArtifactStore,
+        store: JobsStore,
         secrets: PodSecrets,
         launcher: AttemptHooks,
     ) -> bool:

@@ -12,7 +12,7 @@ import pytest
 from prefect import flow, task
 
 from kinetic_prefect import Data, KineticTaskRunner
-from kinetic_prefect.common.storage import ArtifactStore, LocalStore, open_store
+from kinetic_prefect.common.storage import JobsStore, LocalStore, open_store
 from kinetic_prefect.data.data import DataError
 from kinetic_prefect.data.upload import hash_local, upload_local
 from kinetic_prefect.launch.manifest import GCSFUSE_ANNOTATION, GCSFUSE_DRIVER
@@ -159,7 +159,7 @@ def test_gs_uri_without_a_bucket_fails_at_construction():
 CHANGES = {"rewritten": lambda old: bytes(len(old)), "truncated": lambda old: old[:7]}
 
 
-def _store(storage: str, workdir: Path, request: pytest.FixtureRequest) -> ArtifactStore:
+def _store(storage: str, workdir: Path, request: pytest.FixtureRequest) -> JobsStore:
     if storage == "local":
         return LocalStore(workdir / "store")
     return open_store(f"{request.getfixturevalue('gcs').uri}/jobs")

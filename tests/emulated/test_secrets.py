@@ -19,7 +19,7 @@ from prefect.settings import (
 
 from kinetic_prefect.backends.base import PodExit
 from kinetic_prefect.common.records import FINAL_STATE_JSON, FINAL_STATE_PICKLE, FinalRecord
-from kinetic_prefect.common.storage import ArtifactStore, open_store
+from kinetic_prefect.common.storage import JobsStore, open_store
 from kinetic_prefect.errors import TamperedRecordError
 from kinetic_prefect.launch.pod_secrets import PodSecrets
 from kinetic_prefect.launch.pod_settings import pod_settings_env, secret_setting_paths
@@ -114,7 +114,7 @@ def test_no_secret_reaches_a_manifest_payload_handle_or_archive_yet_pods_get_the
 VICTIM = "kp-victim-0001"
 
 
-def _signed_attempt(store: ArtifactStore, key: str, state_bytes: bytes) -> None:
+def _signed_attempt(store: JobsStore, key: str, state_bytes: bytes) -> None:
     store.put_bytes(f"kinetic/{VICTIM}/{FINAL_STATE_PICKLE}", state_bytes)
     record = FinalRecord(
         status="finished",
@@ -134,14 +134,14 @@ class _WritesMarkerWhenUnpickled:
 
 
 @pytest.fixture(params=["local", "gcs"])
-def jobs_store(request: pytest.FixtureRequest, workdir: Path) -> ArtifactStore:
+def jobs_store(request: pytest.FixtureRequest, workdir: Path) -> JobsStore:
     """The jobs store a pod wrote its record to: a local directory or a GCS bucket."""
     if request.param == "local":
         return open_store(str(workdir / "jobs"))
     return open_store(request.getfixturevalue("gcs").uri)
 
 
-def _assert_refused_unread(store: ArtifactStore, marker: Path) -> None:
+def _assert_refused_unread(store: JobsStore, marker: Path) -> None:
     end = read_attempt_end(store, VICTIM, PodExit(VICTIM, 0), "runner-key")
 
     assert end.state.is_failed()
@@ -151,7 +151,7 @@ def _assert_refused_unread(store: ArtifactStore, marker: Path) -> None:
 
 
 def test_a_final_state_pickle_rewritten_after_the_pod_signed_it_is_never_unpickled(
-    jobs_store: ArtifactStore, workdir: Path
+    jobs_store: JobsStore, workdir: Path
 ):
     from prefect.states import Completed
 
@@ -166,7 +166,7 @@ def test_a_final_state_pickle_rewritten_after_the_pod_signed_it_is_never_unpickl
 
 
 def test_a_final_state_signed_with_another_key_is_never_unpickled(
-    jobs_store: ArtifactStore, workdir: Path
+    jobs_store: JobsStore, workdir: Path
 ):
     marker = workdir / "unpickled"
     evil = cloudpickle.dumps({"state": _WritesMarkerWhenUnpickled(str(marker))})

@@ -140,5 +140,5 @@ def test_the_preloaded_modules_read_only_startup_variables_at_import(tmp_path: P
     unexpected = [n for n in names if n not in _REREAD and not is_startup_variable(n)]
     assert unexpected == [], (
         "read while the template preloads, so a pod with another value must not fork from it: "
-        "add them to the startup variables in kinetic_prefect/backends/local_template.py"
+        "add them to the startup variables in kinetic_prefect/backends/local/template.py"
     )

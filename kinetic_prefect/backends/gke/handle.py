@@ -12,11 +12,11 @@ from typing import Any
 
 from kinetic_prefect.common import layout
 from kinetic_prefect.common.layout import HANDLE_FILE
-from kinetic_prefect.common.storage import ArtifactStore
+from kinetic_prefect.common.storage import JobsStore
 
 
 def write_handle(
-    store: ArtifactStore,
+    store: JobsStore,
     cluster: Any,
     runner_id: str,
     job_id: str,
