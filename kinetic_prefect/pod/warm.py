@@ -17,6 +17,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from kinetic_prefect.common import storage
 from kinetic_prefect.common.env import (
@@ -93,14 +94,7 @@ class WarmLoop:
         run.send_telemetry_before_report = True
         assignment: Assignment | None = None
         while True:
-            self.begin_task(assignment.env if assignment else None)
-            job_id = os.environ.get(JOB_ID_ENV, "")
-            task_run_id = os.environ.get(TASK_RUN_ID_ENV, "")
-            log(f"===== begin job {job_id} (task run {task_run_id}) =====")
-            code, state = run_task(run, 0, 1)
-            outcome = state.type.value if state is not None else f"exit code {code}"
-            log(f"===== end job {job_id} (task run {task_run_id}): {outcome} =====")
-            self.end_task(run.workdir)
+            code, state = self._run_one(run, assignment)
             if code == EXIT_PHASE_FAILED or (state is not None and state.is_crashed()):
                 log("ending this warm pod: its last task did not end cleanly")
                 return code
@@ -108,14 +102,31 @@ class WarmLoop:
             if assignment is None:
                 log(f"idle for {self.idle_seconds:g}s: ending this warm pod")
                 return EXIT_COMPLETED
-            run = PodRun(
-                job_dir=assignment.job_dir.rstrip("/"),
-                payload_uri=assignment.payload,
-                payload_sha256=assignment.payload_sha256,
-                context_uri=assignment.context,
-                context_sha256=assignment.context_sha256,
-                workdir=run.workdir,
-                extracted_sha256=run.extracted_sha256,
-                code_root=run.code_root,
-                send_telemetry_before_report=True,
-            )
+            run = self._next_run(run, assignment)
+
+    def _run_one(self, run: PodRun, assignment: Assignment | None) -> tuple[int, Any]:
+        """One task run between the log's begin and end marks, in its own environment."""
+        self.begin_task(assignment.env if assignment else None)
+        job_id = os.environ.get(JOB_ID_ENV, "")
+        task_run_id = os.environ.get(TASK_RUN_ID_ENV, "")
+        log(f"===== begin job {job_id} (task run {task_run_id}) =====")
+        code, state = run_task(run, 0, 1)
+        outcome = state.type.value if state is not None else f"exit code {code}"
+        log(f"===== end job {job_id} (task run {task_run_id}): {outcome} =====")
+        self.end_task(run.workdir)
+        return code, state
+
+    @staticmethod
+    def _next_run(previous: PodRun, assignment: Assignment) -> PodRun:
+        """The assignment's task run, reusing the code the pod already extracted."""
+        return PodRun(
+            job_dir=assignment.job_dir.rstrip("/"),
+            payload_uri=assignment.payload,
+            payload_sha256=assignment.payload_sha256,
+            context_uri=assignment.context,
+            context_sha256=assignment.context_sha256,
+            workdir=previous.workdir,
+            extracted_sha256=previous.extracted_sha256,
+            code_root=previous.code_root,
+            send_telemetry_before_report=True,
+        )

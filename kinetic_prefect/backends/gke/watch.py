@@ -112,31 +112,14 @@ class JobWatch:
         ]
 
     async def _stream(self, namespace: str, kind: str, list_fn: Any) -> None:
+        """List, then watch from the listing's version; resume (or relist) whenever it breaks."""
         version: str | None = None
         backoff = 0.1
         while True:
             try:
                 if version is None:
-                    seen_seq = self._create_seq
-                    listing = await read_json(
-                        await list_fn(
-                            namespace, label_selector=self.selector, _preload_content=False
-                        )
-                    )
-                    version = (listing.get("metadata") or {}).get("resourceVersion")
-                    self._reconcile(namespace, kind, listing.get("items") or [], seen_seq)
-                response = await list_fn(
-                    namespace,
-                    label_selector=self.selector,
-                    watch=True,
-                    resource_version=version,
-                    allow_watch_bookmarks=True,
-                    timeout_seconds=WATCH_TIMEOUT_SECONDS,
-                    _preload_content=False,
-                    _request_timeout=aiohttp.ClientTimeout(
-                        total=None, sock_connect=30, sock_read=WATCH_TIMEOUT_SECONDS + 60
-                    ),
-                )
+                    version = await self._relist(namespace, kind, list_fn)
+                response = await self._open_watch(namespace, list_fn, version)
                 try:
                     if response.status == 410:
                         version = None
@@ -144,20 +127,7 @@ class JobWatch:
                     if response.status != 200:
                         raise ApiException(status=response.status, reason=await response.text())
                     backoff = 0.1
-                    while True:
-                        line = await response.content.readline()
-                        if not line:
-                            break  # the server ended the watch: resume from `version`
-                        event = json.loads(line)
-                        obj = event.get("object") or {}
-                        if event.get("type") == "ERROR":
-                            if obj.get("code") == 410:
-                                version = None  # too old: relist
-                                break
-                            raise ApiException(status=obj.get("code"), reason=obj.get("message"))
-                        version = (obj.get("metadata") or {}).get("resourceVersion") or version
-                        if event.get("type") != "BOOKMARK":
-                            self._on_event(kind, str(event.get("type")), obj)
+                    version = await self._follow(kind, response, version)
                 finally:
                     response.release()
             except asyncio.CancelledError:
@@ -166,20 +136,60 @@ class JobWatch:
                 if isinstance(exc, ApiException) and exc.status == 410:
                     version = None
                     continue
-                if isinstance(exc, ApiException) and exc.status in {401, 403}:
-                    reason = (
-                        f"cannot watch {kind}s in namespace {namespace}: {api_error_message(exc)}"
-                    )
-                    logger.error("%s", reason)
-                    for job in list(self._jobs.values()):
-                        live = not job.done and not job.failing_to_start and job.created
-                        if job.namespace == namespace and live:
-                            self._on_denied(job, reason)
-                logger.warning(
-                    "The %s watch in namespace %s broke (%s); resuming", kind, namespace, exc
-                )
+                self._on_broken_watch(namespace, kind, exc)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
+
+    async def _relist(self, namespace: str, kind: str, list_fn: Any) -> str | None:
+        """A full listing applied to the tracked jobs; the version to watch from."""
+        seen_seq = self._create_seq
+        listing = await read_json(
+            await list_fn(namespace, label_selector=self.selector, _preload_content=False)
+        )
+        self._reconcile(namespace, kind, listing.get("items") or [], seen_seq)
+        version: str | None = (listing.get("metadata") or {}).get("resourceVersion")
+        return version
+
+    async def _open_watch(self, namespace: str, list_fn: Any, version: str | None) -> Any:
+        return await list_fn(
+            namespace,
+            label_selector=self.selector,
+            watch=True,
+            resource_version=version,
+            allow_watch_bookmarks=True,
+            timeout_seconds=WATCH_TIMEOUT_SECONDS,
+            _preload_content=False,
+            _request_timeout=aiohttp.ClientTimeout(
+                total=None, sock_connect=30, sock_read=WATCH_TIMEOUT_SECONDS + 60
+            ),
+        )
+
+    async def _follow(self, kind: str, response: Any, version: str | None) -> str | None:
+        """Apply the watch's events until it ends; the version to resume from (None: relist)."""
+        while True:
+            line = await response.content.readline()
+            if not line:
+                return version  # the server ended the watch: resume from `version`
+            event = json.loads(line)
+            obj = event.get("object") or {}
+            if event.get("type") == "ERROR":
+                if obj.get("code") == 410:
+                    return None  # too old: relist
+                raise ApiException(status=obj.get("code"), reason=obj.get("message"))
+            version = (obj.get("metadata") or {}).get("resourceVersion") or version
+            if event.get("type") != "BOOKMARK":
+                self._on_event(kind, str(event.get("type")), obj)
+
+    def _on_broken_watch(self, namespace: str, kind: str, exc: Exception) -> None:
+        """A watch that broke is resumed; one that was denied fails the namespace's live jobs."""
+        if isinstance(exc, ApiException) and exc.status in {401, 403}:
+            reason = f"cannot watch {kind}s in namespace {namespace}: {api_error_message(exc)}"
+            logger.error("%s", reason)
+            for job in list(self._jobs.values()):
+                live = not job.done and not job.failing_to_start and job.created
+                if job.namespace == namespace and live:
+                    self._on_denied(job, reason)
+        logger.warning("The %s watch in namespace %s broke (%s); resuming", kind, namespace, exc)
 
     def _reconcile(
         self, namespace: str, kind: str, items: list[dict[str, Any]], seen_seq: int
