@@ -19,12 +19,12 @@ $(VENV)/.synced: $(UV) pyproject.toml uv.lock
 	$(UV) sync --frozen --compile-bytecode --python $(PYTHON)
 	touch $@
 
-# The lock's pins with Prefect at its lower bound (tests/helpers/lowest_prefect.py).
-$(VENV_LOWEST)/.synced: $(UV) pyproject.toml uv.lock tests/helpers/lowest_prefect.py
+# The lock's pins with Prefect at its lower bound (tests/support/lowest_prefect.py).
+$(VENV_LOWEST)/.synced: $(UV) pyproject.toml uv.lock tests/support/lowest_prefect.py
 	rm -rf $(VENV_LOWEST)
 	$(UV) venv --quiet --python $(PYTHON) $(VENV_LOWEST)
 	$(UV) export --frozen --no-hashes --no-emit-project --quiet \
-		| $(PYTHON) tests/helpers/lowest_prefect.py > $(VENV_LOWEST)/requirements.txt
+		| $(PYTHON) tests/support/lowest_prefect.py > $(VENV_LOWEST)/requirements.txt
 	VIRTUAL_ENV=$(VENV_LOWEST) $(UV) pip install --quiet --compile-bytecode \
 		-r $(VENV_LOWEST)/requirements.txt
 	VIRTUAL_ENV=$(VENV_LOWEST) $(UV) pip install --quiet --no-deps -e .
@@ -60,7 +60,7 @@ demo-stop: $(VENV)/.synced
 	$(VENV)/bin/python deployments/local_server.py --stop
 
 # Four pytest workers share the suite (many cases wait on pods and timeouts rather than
-# use a CPU); tests/helpers/scheduling.py says how: the worker tests on one worker, and
+# use a CPU); tests/support/scheduling.py says how: the worker tests on one worker, and
 # the timing-bound tests (`alone`) last, once the other workers have exited.
 # Then the conformance tests on the lowest Prefect that pyproject.toml allows.
 # A failure, or collecting no test (pytest's exit 5), fails.
@@ -70,7 +70,7 @@ test: $(VENV)/.synced $(VENV_LOWEST)/.synced
 
 test-lowest: $(VENV_LOWEST)/.synced
 	$(VENV_LOWEST)/bin/python -c 'import prefect; print("Conformance on prefect", prefect.__version__)'
-	$(VENV_LOWEST)/bin/python -m pytest -n 4 --dist loadgroup tests/test_conformance.py
+	$(VENV_LOWEST)/bin/python -m pytest -n 4 --dist loadgroup tests/runner/test_conformance.py
 
 lint: $(VENV)/.synced
 	$(VENV)/bin/ruff check kinetic_prefect tests flows blocks

@@ -14,8 +14,8 @@ import sys
 
 from prefect_gcp.cloud_storage import GcsBucket
 
-from kinetic_prefect import gcs
 from kinetic_prefect.blocks import KineticCluster, KineticGcpCredentials
+from kinetic_prefect.common import gcs
 
 
 def main() -> None:

@@ -33,14 +33,14 @@ __all__ = [
 ]
 
 _LAZY = {
-    "KineticTaskRunner": "kinetic_prefect.task_runner",
-    "KineticFuture": "kinetic_prefect.task_runner",
-    "resources": "kinetic_prefect.config",
-    "Data": "kinetic_prefect.data",
-    "report_progress": "kinetic_prefect.reporting",
-    "summarize_sweep": "kinetic_prefect.reporting",
-    "output_dir": "kinetic_prefect.checkpoint",
-    "checkpoint_manager": "kinetic_prefect.checkpoint",
+    "KineticTaskRunner": "kinetic_prefect.runner.task_runner",
+    "KineticFuture": "kinetic_prefect.runner.task_runner",
+    "resources": "kinetic_prefect.launch.settings",
+    "Data": "kinetic_prefect.data.data",
+    "report_progress": "kinetic_prefect.outputs.reporting",
+    "summarize_sweep": "kinetic_prefect.outputs.reporting",
+    "output_dir": "kinetic_prefect.outputs.checkpoint",
+    "checkpoint_manager": "kinetic_prefect.outputs.checkpoint",
     "KineticCluster": "kinetic_prefect.blocks",
     "KineticGcpCredentials": "kinetic_prefect.blocks",
 }

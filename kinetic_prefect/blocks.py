@@ -15,7 +15,7 @@ from prefect_gcp.credentials import GcpCredentials
 from prefect_kubernetes.credentials import KubernetesClusterConfig
 from pydantic import Field
 
-from kinetic_prefect import gcs
+from kinetic_prefect.common import gcs
 
 DOCUMENTATION_URL = "https://pypi.org/project/kinetic-prefect/"
 
@@ -181,7 +181,7 @@ def load_cluster(cluster: KineticCluster | str) -> KineticCluster:
 
 
 def cluster_settings(cluster: KineticCluster) -> dict[str, Any]:
-    """The settings layer a cluster block contributes (see `kinetic_prefect.config`)."""
+    """The settings layer a cluster block contributes (see `kinetic_prefect.launch.settings`)."""
     return {
         "backend": cluster.backend,
         "jobs_root": cluster.jobs_root(),

@@ -10,13 +10,13 @@ the worker machinery) the first time Prefect looks it up or lists its types.
 from prefect.blocks.core import Block
 from prefect.workers.base import BaseWorker
 
-from kinetic_prefect.prefect_bridge import register_deferred
+from kinetic_prefect.common.prefect_registry import register_deferred
 
 BLOCK_TYPES = {
     "kinetic-cluster": "kinetic_prefect.blocks",
     "kinetic-gcp-credentials": "kinetic_prefect.blocks",
 }
-WORKER_TYPES = {"kinetic": "kinetic_prefect.worker"}
+WORKER_TYPES = {"kinetic": "kinetic_prefect.worker.worker"}
 
 register_deferred(Block, BLOCK_TYPES)
 register_deferred(BaseWorker, WORKER_TYPES)

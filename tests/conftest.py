@@ -15,10 +15,10 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
-from kinetic_prefect.backends.local import LocalBackend
-from tests.helpers.kube import KubeCluster, running_cluster
-from tests.helpers.prefect_server import migrated_database
-from tests.helpers.scheduling import SuiteScheduling, check_alone_marks
+from kinetic_prefect.backends.local.backend import LocalBackend
+from tests.support.kube import KubeCluster, running_cluster
+from tests.support.prefect_server import migrated_database
+from tests.support.scheduling import SuiteScheduling, check_alone_marks
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -26,7 +26,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """`-n N` or `--dist loadgroup` (as `make test` runs): see tests/helpers/scheduling.py."""
+    """`-n N` or `--dist loadgroup` (as `make test` runs): see tests/support/scheduling.py."""
     if config.getvalue("dist") not in ("load", "loadgroup"):
         return None
     return SuiteScheduling(config, log)
@@ -106,7 +106,7 @@ def launched_manifests(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[dict[st
 @pytest.fixture(scope="session")
 def gcs_server() -> Iterator[str]:
     """One fake-gcs-server for the session (buckets are per test)."""
-    from tests.helpers.gcs import fake_gcs_server
+    from tests.support.gcs import fake_gcs_server
 
     with fake_gcs_server() as url:
         yield url
@@ -123,7 +123,7 @@ def gcs(gcs_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[GcsTestB
     """Emulator mode for this process and its pods, with a fresh bucket."""
     import uuid
 
-    from kinetic_prefect import gcs as kgcs
+    from kinetic_prefect.common import gcs as kgcs
 
     emulator_env = {"STORAGE_EMULATOR_HOST": gcs_endpoint, "TENSORSTORE_GCS_HTTP_URL": gcs_endpoint}
     for name, value in emulator_env.items():
@@ -171,8 +171,8 @@ def gke(gcs: object, cluster: KubeCluster) -> Iterator[str]:
     """
     from prefect.settings import temporary_settings
 
-    from tests.helpers.clusters import gcs_cluster
-    from tests.helpers.leaks import canary_settings, leaks, scanned_artifacts
+    from tests.support.clusters import gcs_cluster
+    from tests.support.leaks import canary_settings, leaks, scanned_artifacts
 
     canaries = canary_settings()
     with temporary_settings(canaries):

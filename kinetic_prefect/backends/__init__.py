@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from kinetic_prefect.backends.base import Backend, PodExit
-from kinetic_prefect.config import LaunchSettings
+from kinetic_prefect.launch.settings import LaunchSettings
 
 __all__ = ["Backend", "PodExit", "create_backend"]
 
@@ -13,8 +13,8 @@ __all__ = ["Backend", "PodExit", "create_backend"]
 def create_backend(settings: LaunchSettings, jobs_root: str, cluster: Any = None) -> Backend:
     """The backend for `settings.backend`, created lazily on a runner's first launch."""
     if settings.backend == "local":
-        from kinetic_prefect.backends.local import LocalBackend
-        from kinetic_prefect.local_pods import local_pods_dir
+        from kinetic_prefect.backends.local.backend import LocalBackend
+        from kinetic_prefect.backends.local.pods import local_pods_dir
 
         return LocalBackend(
             local_pods_dir(jobs_root),
@@ -22,8 +22,8 @@ def create_backend(settings: LaunchSettings, jobs_root: str, cluster: Any = None
             cancel_grace_seconds=settings.cancel_grace_seconds,
         )
     if settings.backend == "gke":
-        from kinetic_prefect import preflight
-        from kinetic_prefect.backends.kubernetes import KubernetesBackend
+        from kinetic_prefect.backends.gke.backend import KubernetesBackend
+        from kinetic_prefect.launch import preflight
 
         # Before any Job exists: a pod that cannot reach the Prefect API cannot run its task.
         preflight.check_api_reachable_by_pods(settings)

@@ -21,26 +21,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kinetic_prefect import storage, versions
-from kinetic_prefect.pod import slice as slice_host
-from kinetic_prefect.pod import warm
-from kinetic_prefect.pod.records import (
+from kinetic_prefect.common import storage, versions
+from kinetic_prefect.common.env import (
+    CLIENT_VERSIONS_ENV,
+    OUTPUT_DIR_ENV,
+    SCRATCH_DIR_ENV,
+    SECRET_SETTING_PATHS_ENV,
+    SIGNING_KEY_ENV,
+)
+from kinetic_prefect.common.records import (
     FINAL_STATE_JSON,
     FINAL_STATE_PICKLE,
-    SIGNING_KEY_ENV,
     STATUS_ALREADY_FINAL,
     STATUS_FINISHED,
     STATUS_PHASE_FAILED,
     FinalRecord,
 )
-from kinetic_prefect.pod.watchdog import start_watchdog
+from kinetic_prefect.pod import prefect_process
+from kinetic_prefect.pod import slice as slice_host
 
 EXIT_COMPLETED = 0
 EXIT_TASK_NOT_COMPLETED = 1
 EXIT_PHASE_FAILED = 2
-
-# Env var → path in Prefect's settings, for the secret settings delivered as env vars.
-SECRET_SETTING_PATHS_ENV = "KINETIC_SECRET_SETTING_PATHS"
 
 
 class TaskRunAlreadyFinal(Exception):
@@ -103,7 +105,7 @@ class PodRun:
         storage.write_uri(f"{self.job_dir}/{FINAL_STATE_JSON}", record.to_json())
 
 
-def _parse_args(argv: list[str] | None) -> PodRun:
+def parse_args(argv: list[str] | None) -> PodRun:
     parser = argparse.ArgumentParser(prog="python -m kinetic_prefect.pod")
     parser.add_argument("--job-dir", required=True)
     parser.add_argument("--payload", required=True)
@@ -163,7 +165,7 @@ def extract(run: PodRun) -> None:
         os.chdir(run.workdir)
         return
     with run.phase("extract", "the pod's scratch disk may be full; raise ephemeral storage"):
-        scratch = run.code_root or os.environ.get("KINETIC_SCRATCH_DIR") or tempfile.gettempdir()
+        scratch = run.code_root or os.environ.get(SCRATCH_DIR_ENV) or tempfile.gettempdir()
         run.workdir = Path(tempfile.mkdtemp(prefix="kinetic-context-", dir=scratch))
         import io
 
@@ -177,7 +179,7 @@ def extract(run: PodRun) -> None:
 
 def unpickle(run: PodRun) -> None:
     with run.phase("unpickle"):
-        client = json.loads(os.environ.get("KINETIC_CLIENT_VERSIONS", "{}"))
+        client = json.loads(os.environ.get(CLIENT_VERSIONS_ENV, "{}"))
         differences = versions.skew(client) if client else []
         if differences:
             raise PhaseFailure(
@@ -194,9 +196,9 @@ def unpickle(run: PodRun) -> None:
 
 def resolve_data(run: PodRun) -> None:
     with run.phase("data", "check that the pod's service account can read the data bucket"):
-        from kinetic_prefect.data import DataIntegrityError, resolve_parameters
+        from kinetic_prefect.data.data import DataIntegrityError, resolve_parameters
 
-        scratch = Path(os.environ.get("KINETIC_SCRATCH_DIR") or tempfile.gettempdir())
+        scratch = Path(os.environ.get(SCRATCH_DIR_ENV) or tempfile.gettempdir())
         try:
             run.contents["parameters"] = resolve_parameters(run.contents["parameters"], scratch)
         except DataIntegrityError as exc:
@@ -222,7 +224,7 @@ def _fill_secret_settings(context: dict[str, Any]) -> None:
 def environment(run: PodRun) -> None:
     with run.phase("environment"):
         _fill_secret_settings(run.contents["context"])
-        output_dir = os.environ.get("KINETIC_OUTPUT_DIR", "")
+        output_dir = os.environ.get(OUTPUT_DIR_ENV, "")
         if output_dir and "://" not in output_dir:
             Path(output_dir).mkdir(parents=True, exist_ok=True)
 
@@ -290,9 +292,9 @@ def run_other_host(run: PodRun, index: int) -> int:
     try:
         slice_host.run_function(run.contents)
     except BaseException as exc:
-        _log(f"host {index}: the task raised:\n{format_traceback(exc, run)}")
+        log(f"host {index}: the task raised:\n{format_traceback(exc, run)}")
         return EXIT_TASK_NOT_COMPLETED
-    _log(f"host {index}: finished ({run.timings})")
+    log(f"host {index}: finished ({run.timings})")
     return EXIT_COMPLETED
 
 
@@ -316,25 +318,6 @@ def _exception_of(state: Any) -> BaseException | None:
     return value if isinstance(value, BaseException) else None
 
 
-def _shippable(state: Any, task: Any) -> Any:
-    """The state to send back: a persisted result travels as its metadata only.
-
-    The orchestrator then reads the value through Prefect's result store, like
-    any other Prefect process would, instead of through the pod's report.
-    """
-    from prefect._internal.result_records import ResultRecord
-
-    record = state.data
-    if (
-        isinstance(record, ResultRecord)
-        and state.is_completed()
-        and task.persist_result is True
-        and record.metadata.storage_block_id is not None
-    ):
-        return state.model_copy(update={"data": record.metadata})
-    return state
-
-
 def report(run: PodRun, state: Any) -> int:
     with run.phase("report", "the task's return value must be picklable"):
         import cloudpickle
@@ -343,7 +326,7 @@ def report(run: PodRun, state: Any) -> int:
         tb = format_traceback(exc, run) if exc is not None else None
         final = cloudpickle.dumps(
             {
-                "state": _shippable(state, run.contents["task"]),
+                "state": prefect_process.shippable_state(state, run.contents["task"]),
                 "traceback": tb,
                 "task_run": run.contents["task_run"],
             }
@@ -408,7 +391,7 @@ def _cache_shipped_source(filename: str, root: Path, workdir: Path) -> None:
         linecache.cache[filename] = (len(text), None, text.splitlines(keepends=True), filename)
 
 
-def _log(message: str) -> None:
+def log(message: str) -> None:
     # The pod's stderr is its log: the local backend's log file, or `kubectl logs`.
     sys.stderr.write(f"kinetic-prefect pod: {message}\n")
     sys.stderr.flush()
@@ -427,13 +410,16 @@ def run_task(run: PodRun, index: int, hosts: int) -> tuple[int, Any]:
         if index > 0:
             return run_other_host(run, index), None
         state = execute(run)
-        if run.send_telemetry_before_report and not warm.send_telemetry():
-            _log(f"some logs or events did not reach the API in {warm.TELEMETRY_SECONDS:g}s")
+        if run.send_telemetry_before_report and not prefect_process.send_telemetry():
+            log(
+                "some logs or events did not reach the API in "
+                f"{prefect_process.TELEMETRY_SECONDS:g}s"
+            )
         code = report(run, state)
-        _log(f"finished: {state.type.value} ({run.timings})")
+        log(f"finished: {state.type.value} ({run.timings})")
         return code, state
     except TaskRunAlreadyFinal as final:
-        _log(f"{final}; it was left as it is")
+        log(f"{final}; it was left as it is")
         record = FinalRecord(
             status=STATUS_ALREADY_FINAL,
             state_type=final.state.type.value,
@@ -443,13 +429,13 @@ def run_task(run: PodRun, index: int, hosts: int) -> tuple[int, Any]:
         try:
             run.write_record(record)
         except Exception as exc:  # the runner then sees a pod that ended without a word
-            _log(f"could not write {FINAL_STATE_JSON}: {exc}")
+            log(f"could not write {FINAL_STATE_JSON}: {exc}")
         return EXIT_TASK_NOT_COMPLETED, None
     except PhaseFailure as failure:
         message = f"Failed during {failure.phase}: {failure}"
         if failure.hint:
             message += f" — {failure.hint}"
-        _log(message)
+        log(message)
         if index > 0:
             return EXIT_PHASE_FAILED, None  # host 0 alone writes the record
         cause = failure.__cause__ or failure
@@ -463,18 +449,5 @@ def run_task(run: PodRun, index: int, hosts: int) -> tuple[int, Any]:
         try:
             run.write_record(record)
         except Exception as exc:  # the store itself is unreachable: the log is all we have
-            _log(f"could not write {FINAL_STATE_JSON}: {exc}")
+            log(f"could not write {FINAL_STATE_JSON}: {exc}")
         return EXIT_PHASE_FAILED, None
-
-
-def main(argv: list[str] | None = None) -> int:
-    startup = process_age()
-    run = _parse_args(argv)
-    start_watchdog()
-    if startup is not None:
-        run.timings["startup"] = startup
-    index, hosts = slice_host.slice_position()
-    loop = warm.WarmLoop.from_environ(hosts)
-    if loop is not None:
-        return loop.serve(run)
-    return run_task(run, index, hosts)[0]

@@ -18,17 +18,16 @@ from __future__ import annotations
 import os
 from typing import Any
 
-# Set on every pod of a slice: how many hosts, which one this is, their
-# addresses (host 0 first) and host 0's jax.distributed coordinator.
-HOSTS_ENV = "KINETIC_SLICE_HOSTS"
-HOST_INDEX_ENV = "TPU_WORKER_ID"
-HOSTNAMES_ENV = "TPU_WORKER_HOSTNAMES"
-COORDINATOR_ENV = "JAX_COORDINATOR_ADDRESS"
+from kinetic_prefect.common.env import (
+    COORDINATOR_ENV,
+    HOST_INDEX_ENV,
+    SLICE_HOSTS_ENV,
+)
 
 
 def slice_position() -> tuple[int, int]:
     """(this host's index, number of hosts); (0, 1) outside a slice."""
-    hosts = int(os.environ.get(HOSTS_ENV) or 1)
+    hosts = int(os.environ.get(SLICE_HOSTS_ENV) or 1)
     index = int(os.environ.get(HOST_INDEX_ENV) or 0) if hosts > 1 else 0
     if not 0 <= index < hosts:
         raise ValueError(f"{HOST_INDEX_ENV}={index} is outside a slice of {hosts} hosts")

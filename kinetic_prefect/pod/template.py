@@ -31,7 +31,7 @@ from kinetic_prefect.pod.exit import FastExit
 fast_exit = FastExit()
 
 # What every pod imports before its task runs.
-PRELOADED = ("cloudpickle", "prefect", "prefect.task_engine", "kinetic_prefect.pod.runner")
+PRELOADED = ("cloudpickle", "prefect", "prefect.task_engine", "kinetic_prefect.pod.entrypoint")
 _MAX_MESSAGE = 1 << 20
 
 
@@ -88,7 +88,7 @@ def become_pod(request: dict[str, Any], control: socket.socket, fds: list[int]) 
     except BaseException as exc:  # noqa: BLE001 - nothing of the template may run on in a pod
         os.write(2, f"kinetic-prefect: could not start the pod process: {exc!r}\n".encode())
         os._exit(127)
-    from kinetic_prefect.pod.runner import main
+    from kinetic_prefect.pod.entrypoint import main
 
     fast_exit.code = main()
     # Ends as `python -m` does: non-daemon threads joined, exit handlers run.
@@ -101,7 +101,7 @@ def _as_fresh_process(argv: list[str]) -> None:
     import tempfile
 
     import kinetic_prefect.pod
-    from kinetic_prefect.prefect_bridge import reload_prefect_settings
+    from kinetic_prefect.pod.prefect_process import reload_prefect_settings
 
     sys.argv = [os.path.join(os.path.dirname(kinetic_prefect.pod.__file__), "__main__.py"), *argv]
     sys.path[0] = os.getcwd()

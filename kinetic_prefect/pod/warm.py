@@ -1,10 +1,8 @@
 """A warm pod: after its task, wait for the next task run of the same pod spec.
 
-The runner cannot reach a pod over the network on GKE, so work is handed over
-through the jobs store. The pod's warm dir (`KINETIC_WARM_DIR`) receives
-`assign-{n}.json` for its n-th next task; the pod answers with `accepted-{n}.json`
-before it touches the task, so a runner that sees the pod exit can tell a task
-the pod never picked up (relaunched elsewhere for free) from one it ran.
+The hand-over goes through the jobs store (`kinetic_prefect.common.handover`):
+the pod's warm dir (`KINETIC_WARM_DIR`) receives the next assignment, and the pod
+accepts it before it touches the task.
 
 Between tasks the pod goes back to its base environment: `os.environ` as the pod
 started, its working directory and a fresh scratch directory per task. What stays
@@ -14,91 +12,23 @@ of Prefect's `ProcessPoolTaskRunner`.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
-from kinetic_prefect import storage
-
-if TYPE_CHECKING:
-    from kinetic_prefect.pod.runner import PodRun
-
-WARM_DIR_ENV = "KINETIC_WARM_DIR"
-WARM_IDLE_ENV = "KINETIC_WARM_IDLE_SECONDS"
-TASK_RUN_ID_ENV = "KINETIC_TASK_RUN_ID"
-JOB_ID_ENV = "KINETIC_JOB_ID"
-SCRATCH_ENV = "KINETIC_SCRATCH_DIR"
-
-# The lines around each task's part of a warm pod's log (`jobs logs JOB_ID` cuts there).
-BEGIN_MARK = "kinetic-prefect pod: ===== begin job"
-END_MARK = "kinetic-prefect pod: ===== end job"
-
-
-# How long a warm pod waits for a task's logs and events to reach the API.
-TELEMETRY_SECONDS = 30.0
-
-
-def send_telemetry() -> bool:
-    """Before a task's end is reported: its logs and events, sent (the pod will not exit)."""
-    from kinetic_prefect import prefect_bridge
-
-    return prefect_bridge.send_logs_and_events(TELEMETRY_SECONDS)
-
-
-def assignment_name(sequence: int) -> str:
-    return f"assign-{sequence}.json"
-
-
-def accepted_name(sequence: int) -> str:
-    return f"accepted-{sequence}.json"
-
-
-def poll_seconds(uri: str) -> float:
-    """How often to look at the store: a local path is cheap, a bucket costs a request."""
-    return 0.5 if "://" in uri else 0.02
-
-
-def reuse_margin(uri: str) -> float:
-    """Idle time a pod must have left to be handed a task (it could idle out meanwhile)."""
-    return max(1.0, 4 * poll_seconds(uri))
-
-
-@dataclass(frozen=True)
-class Assignment:
-    """The next task run for a warm pod: the pod's arguments and the task's own env."""
-
-    job_id: str
-    task_run_id: str
-    job_dir: str
-    payload: str
-    payload_sha256: str
-    context: str
-    context_sha256: str
-    env: dict[str, str] = field(default_factory=dict)
-
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
-
-    @classmethod
-    def from_json(cls, data: bytes) -> Assignment:
-        return cls(**json.loads(data))
-
-
-def task_section(log: str, job_id: str) -> str:
-    """The part of a warm pod's log written while it ran job `job_id` ("" if none)."""
-    lines = log.splitlines(keepends=True)
-    begin = f"{BEGIN_MARK} {job_id} "
-    end = f"{END_MARK} {job_id} "
-    start = next((i for i, line in enumerate(lines) if line.startswith(begin)), None)
-    if start is None:
-        return ""
-    stop = next((i for i in range(start, len(lines)) if lines[i].startswith(end)), len(lines) - 1)
-    return "".join(lines[start : stop + 1])
+from kinetic_prefect.common import storage
+from kinetic_prefect.common.env import (
+    JOB_ID_ENV,
+    SCRATCH_DIR_ENV,
+    TASK_RUN_ID_ENV,
+    WARM_DIR_ENV,
+    WARM_IDLE_ENV,
+)
+from kinetic_prefect.common.handover import Assignment, accepted_name, assignment_name, poll_seconds
+from kinetic_prefect.pod.runner import EXIT_COMPLETED, EXIT_PHASE_FAILED, PodRun, log, run_task
 
 
 class WarmLoop:
@@ -110,7 +40,7 @@ class WarmLoop:
         self.sequence = 0
         self.base_env = dict(os.environ)
         self.base_cwd = os.getcwd()
-        self.base_scratch = os.environ.get(SCRATCH_ENV) or tempfile.gettempdir()
+        self.base_scratch = os.environ.get(SCRATCH_DIR_ENV) or tempfile.gettempdir()
         self.task_scratch: Path | None = None
 
     @classmethod
@@ -147,7 +77,7 @@ class WarmLoop:
             os.environ.update(env)
         job_id = os.environ.get(JOB_ID_ENV, "task")
         self.task_scratch = Path(tempfile.mkdtemp(prefix=f"{job_id}-", dir=self.base_scratch))
-        os.environ[SCRATCH_ENV] = str(self.task_scratch)
+        os.environ[SCRATCH_DIR_ENV] = str(self.task_scratch)
 
     def end_task(self, workdir: Path | None) -> None:
         """Back to the pod's base environment, in the code's directory."""
@@ -160,21 +90,11 @@ class WarmLoop:
 
     def serve(self, run: PodRun) -> int:
         """Task after task in this pod until it idles out; a crash or phase failure ends it."""
-        from kinetic_prefect.pod.runner import EXIT_COMPLETED, EXIT_PHASE_FAILED, PodRun, run_task
-        from kinetic_prefect.pod.runner import _log as log
-
         run.code_root = self.base_scratch
         run.send_telemetry_before_report = True
         assignment: Assignment | None = None
         while True:
-            self.begin_task(assignment.env if assignment else None)
-            job_id = os.environ.get(JOB_ID_ENV, "")
-            task_run_id = os.environ.get(TASK_RUN_ID_ENV, "")
-            log(f"===== begin job {job_id} (task run {task_run_id}) =====")
-            code, state = run_task(run, 0, 1)
-            outcome = state.type.value if state is not None else f"exit code {code}"
-            log(f"===== end job {job_id} (task run {task_run_id}): {outcome} =====")
-            self.end_task(run.workdir)
+            code, state = self._run_one(run, assignment)
             if code == EXIT_PHASE_FAILED or (state is not None and state.is_crashed()):
                 log("ending this warm pod: its last task did not end cleanly")
                 return code
@@ -182,14 +102,31 @@ class WarmLoop:
             if assignment is None:
                 log(f"idle for {self.idle_seconds:g}s: ending this warm pod")
                 return EXIT_COMPLETED
-            run = PodRun(
-                job_dir=assignment.job_dir.rstrip("/"),
-                payload_uri=assignment.payload,
-                payload_sha256=assignment.payload_sha256,
-                context_uri=assignment.context,
-                context_sha256=assignment.context_sha256,
-                workdir=run.workdir,
-                extracted_sha256=run.extracted_sha256,
-                code_root=run.code_root,
-                send_telemetry_before_report=True,
-            )
+            run = self._next_run(run, assignment)
+
+    def _run_one(self, run: PodRun, assignment: Assignment | None) -> tuple[int, Any]:
+        """One task run between the log's begin and end marks, in its own environment."""
+        self.begin_task(assignment.env if assignment else None)
+        job_id = os.environ.get(JOB_ID_ENV, "")
+        task_run_id = os.environ.get(TASK_RUN_ID_ENV, "")
+        log(f"===== begin job {job_id} (task run {task_run_id}) =====")
+        code, state = run_task(run, 0, 1)
+        outcome = state.type.value if state is not None else f"exit code {code}"
+        log(f"===== end job {job_id} (task run {task_run_id}): {outcome} =====")
+        self.end_task(run.workdir)
+        return code, state
+
+    @staticmethod
+    def _next_run(previous: PodRun, assignment: Assignment) -> PodRun:
+        """The assignment's task run, reusing the code the pod already extracted."""
+        return PodRun(
+            job_dir=assignment.job_dir.rstrip("/"),
+            payload_uri=assignment.payload,
+            payload_sha256=assignment.payload_sha256,
+            context_uri=assignment.context,
+            context_sha256=assignment.context_sha256,
+            workdir=previous.workdir,
+            extracted_sha256=previous.extracted_sha256,
+            code_root=previous.code_root,
+            send_telemetry_before_report=True,
+        )

@@ -1,6 +1,6 @@
 """A pod that nobody owns any more ends itself.
 
-Two signs of that: the runner's lease (`kinetic_prefect.lease`) is older than
+Two signs of that: the runner's lease (`kinetic_prefect.runner.lease`) is older than
 `KINETIC_ORPHAN_TIMEOUT_SECONDS` or gone, or the flow run is final or being
 cancelled (a cancel in the UI reaches pods even when the flow process is gone).
 The pod then gets a SIGTERM, so a task that opted into
@@ -18,13 +18,16 @@ import threading
 import time
 from typing import Any
 
-LEASE_URI_ENV = "KINETIC_LEASE_URI"
-ORPHAN_TIMEOUT_ENV = "KINETIC_ORPHAN_TIMEOUT_SECONDS"
-FLOW_RUN_ID_ENV = "KINETIC_FLOW_RUN_ID"
+from kinetic_prefect.common.env import (
+    FLOW_RUN_ID_ENV,
+    LEASE_URI_ENV,
+    ORPHAN_TIMEOUT_ENV,
+    TERMINATION_GRACE_ENV,
+)
 
 
 def _lease_age(uri: str, started: float) -> float:
-    from kinetic_prefect import storage
+    from kinetic_prefect.common import storage
 
     try:
         renewed = float(json.loads(storage.read_uri(uri))["renewed_at"])
@@ -57,7 +60,7 @@ def orphan_reason(lease_uri: str, timeout: float, flow_run_id: str, started: flo
 def _end_pod(reason: str) -> None:
     sys.stderr.write(f"kinetic-prefect pod: ending, nobody owns this pod: {reason}\n")
     sys.stderr.flush()
-    grace = float(os.environ.get("KINETIC_TERMINATION_GRACE_SECONDS", "25"))
+    grace = float(os.environ.get(TERMINATION_GRACE_ENV, "25"))
     killer = threading.Timer(grace, os.kill, args=(os.getpid(), signal.SIGKILL))
     killer.daemon = True
     killer.start()

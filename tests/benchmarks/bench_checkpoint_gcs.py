@@ -74,7 +74,7 @@ def _orbax_round_trip(tree: dict[str, Any], output_dir: str) -> tuple[float, int
     import jax
     import orbax.checkpoint as ocp
 
-    from kinetic_prefect.checkpoint import checkpoint_manager
+    from kinetic_prefect.outputs.checkpoint import checkpoint_manager
 
     os.environ["KINETIC_OUTPUT_DIR"] = output_dir
     # Manager construction lists the directory; a pod pays it too, but it is not
@@ -123,13 +123,13 @@ def main(repeats: int = 3) -> None:
     repo = str(Path(__file__).resolve().parents[2])
     if repo not in sys.path:
         sys.path.insert(0, repo)
-    from tests.helpers.gcs import fake_gcs_server
+    from tests.support.gcs import fake_gcs_server
 
     with fake_gcs_server() as url:
         # gcsfs, TensorStore and google-cloud-storage read these when first used.
         os.environ["STORAGE_EMULATOR_HOST"] = url
         os.environ["TENSORSTORE_GCS_HTTP_URL"] = url
-        from kinetic_prefect import gcs as kgcs
+        from kinetic_prefect.common import gcs as kgcs
 
         logging.getLogger("gcsfs").addFilter(_MISSES)
 

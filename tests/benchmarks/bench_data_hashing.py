@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from kinetic_prefect.data_upload import LocalDataHashes, hash_local
+from kinetic_prefect.data.upload import LocalDataHashes, hash_local
 
 
 def timed(fn: Callable[[], object], repeat: int = 5) -> float:

@@ -24,8 +24,8 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from kinetic_prefect import gcs as kgcs
-from kinetic_prefect.data_upload import LocalDataHashes
+from kinetic_prefect.common import gcs as kgcs
+from kinetic_prefect.data.upload import LocalDataHashes
 
 LAYOUTS = (1, 16, 1024)
 
@@ -65,7 +65,7 @@ def main(total_mb: int = 128, repeat: int = 3) -> None:
     if repo not in sys.path:
         sys.path.insert(0, repo)
     from tests.benchmarks.bench_data_hashing import timed, write_layout
-    from tests.helpers.gcs import fake_gcs_server
+    from tests.support.gcs import fake_gcs_server
 
     root = Path(tempfile.mkdtemp(prefix="kinetic-upload-"))
     with fake_gcs_server() as url:

@@ -29,9 +29,9 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 from prefect import flow, task  # noqa: E402
 from prefect.testing.utilities import prefect_test_harness  # noqa: E402
 
-import kinetic_prefect.backends.local as local_backend  # noqa: E402
+import kinetic_prefect.backends.local.backend as local_backend  # noqa: E402
 from kinetic_prefect import KineticTaskRunner  # noqa: E402
-from kinetic_prefect.backends.local_container import HostProcess, PodProcess  # noqa: E402
+from kinetic_prefect.backends.local.container import HostProcess, PodProcess  # noqa: E402
 
 WORKERS = 2
 

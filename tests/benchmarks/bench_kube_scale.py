@@ -54,11 +54,11 @@ def _run(cluster_name: str, n: int, max_parallel: int, warm: bool) -> tuple[list
 
 
 def main(n: int = 100, max_parallel: int = 4) -> None:
-    from kinetic_prefect import gcs as kgcs
+    from kinetic_prefect.common import gcs as kgcs
     from tests.conftest import GcsTestBucket
-    from tests.helpers.clusters import gcs_cluster
-    from tests.helpers.gcs import FaultInjectingProxy, fake_gcs_server
-    from tests.helpers.kube import running_cluster
+    from tests.support.clusters import gcs_cluster
+    from tests.support.gcs import FaultInjectingProxy, fake_gcs_server
+    from tests.support.kube import running_cluster
 
     workdir = Path(tempfile.mkdtemp(prefix="kinetic-kube-scale-"))
     os.chdir(workdir)

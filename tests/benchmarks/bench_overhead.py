@@ -31,7 +31,7 @@ from prefect.task_runners import ProcessPoolTaskRunner, ThreadPoolTaskRunner  # 
 from prefect.testing.utilities import prefect_test_harness  # noqa: E402
 
 from kinetic_prefect import KineticTaskRunner, resources  # noqa: E402
-from kinetic_prefect.backends.local_template import TEMPLATE_ENV  # noqa: E402
+from kinetic_prefect.backends.local.template import TEMPLATE_ENV  # noqa: E402
 
 WORKERS = 2
 
@@ -126,10 +126,10 @@ def _gcs_requests(n: int) -> dict[str, float]:
     """GCS requests per task with the jobs store and results on fake-gcs-server."""
     import uuid
 
-    from kinetic_prefect import gcs as kgcs
+    from kinetic_prefect.common import gcs as kgcs
     from tests.conftest import GcsTestBucket
-    from tests.helpers.clusters import gcs_cluster
-    from tests.helpers.gcs import FaultInjectingProxy, fake_gcs_server
+    from tests.support.clusters import gcs_cluster
+    from tests.support.gcs import FaultInjectingProxy, fake_gcs_server
 
     per_task: dict[str, float] = {}
     with fake_gcs_server() as upstream, FaultInjectingProxy(upstream, every=None) as proxy:

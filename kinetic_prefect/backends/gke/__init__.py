@@ -1,0 +1,1 @@
+"""The gke backend: Jobs on GKE through kubernetes-asyncio, one watch for every job."""

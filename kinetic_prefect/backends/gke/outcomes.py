@@ -1,0 +1,179 @@
+"""Deciding, from what the watch last saw, when and how each gke job ended; and its deadlines.
+
+Owns the rules. A pod in a terminal phase ends its job with the container's exit
+code and the most telling reason (preempted, Evicted, OOMKilled, DeadlineExceeded).
+When only one half of the story has arrived (the Job ended but its pod has not
+reported, or the pod vanished before the Job said why), the job waits a bounded
+time for the other stream, then ends with what is known. A pod that waits to start
+reports why; past `pending_timeout_seconds` the job fails to start, and a Job that
+gets no pod is probed for FailedCreate events meanwhile.
+
+Nothing here calls the API or runs callbacks: the backend passes in what to do
+when a job ends, waits, fails to start or needs a probe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Mapping
+
+from kinetic_prefect.backends.gke.status import (
+    pending_reason,
+    pod_outcome,
+    pod_phase,
+    pod_started,
+    true_condition,
+)
+from kinetic_prefect.backends.gke.watch import TrackedJob
+
+# A Job that has no pod after this long is checked for FailedCreate events (quota).
+EVENTS_PROBE_SECONDS = 10.0
+EVENTS_PROBE_INTERVAL = 15.0
+# How long to wait for a pod's own final status after its Job ended or was deleted.
+SETTLE_MARGIN_SECONDS = 30.0
+# How long to wait for the Job's reason after its pod vanished without a final status.
+POD_GONE_SETTLE_SECONDS = 5.0
+
+# (job, exit code, signal, reason)
+Conclude = Callable[[TrackedJob, int | None, int | None, str], None]
+
+
+class OutcomeTracker:
+    """Applies the rules of the module docstring to the backend's tracked jobs.
+
+    `conclude` ends a job; `report_pending(job, reason)` says why its pod waits;
+    `fail_to_start(job)` gives up on a pod past its pending timeout;
+    `probe_events(job)` looks for FailedCreate events of a Job without a pod.
+    """
+
+    def __init__(
+        self,
+        jobs: Mapping[str, TrackedJob],
+        *,
+        cancel_grace_seconds: float,
+        pending_timeout_seconds: float,
+        conclude: Conclude,
+        report_pending: Callable[[TrackedJob, str], None],
+        fail_to_start: Callable[[TrackedJob], None],
+        probe_events: Callable[[TrackedJob], None],
+    ) -> None:
+        self._jobs = jobs
+        self.cancel_grace_seconds = cancel_grace_seconds
+        self.pending_timeout_seconds = pending_timeout_seconds
+        self._conclude = conclude
+        self._report_pending = report_pending
+        self._fail_to_start = fail_to_start
+        self._probe_events = probe_events
+        self._wake = asyncio.Event()
+
+    def start_clock(self, job: TrackedJob) -> None:
+        """The job's Job was just created: its pending timeout and event probes count from now."""
+        job.created_at = time.monotonic()
+        first_probe = min(EVENTS_PROBE_SECONDS, self.pending_timeout_seconds / 2)
+        job.next_probe = job.created_at + first_probe
+        self.poke()
+
+    def settle_after_cancel(self, job: TrackedJob) -> None:
+        """The job's Job was deleted: give its pod the cancel grace to report how it ended."""
+        job.settle_by = time.monotonic() + self.cancel_grace_seconds + SETTLE_MARGIN_SECONDS
+        self.evaluate(job)
+        self.poke()
+
+    def evaluate(self, job: TrackedJob) -> None:
+        """Decide from the job's last seen Job and pod whether it ended, waits, or is pending."""
+        if job.done or job.failing_to_start:
+            return
+        pod = job.pod
+        if pod_phase(pod) in {"Succeeded", "Failed"}:
+            self._conclude(job, *pod_outcome(pod, job.job))
+            return
+        ended = bool(
+            job.job_gone
+            or true_condition(job.job, "Complete")
+            or true_condition(job.job, "Failed")
+            or true_condition(job.job, "FailureTarget")
+        )
+        if pod is None and true_condition(job.job, "Complete"):
+            self._conclude(job, 0, None, "")
+            return
+        if (job.pod_gone and (ended or job.cancelled)) or (pod is None and job.job_gone):
+            self._conclude_as_known(job)
+            return
+        if job.pod_gone or ended:
+            # The rest of the story is on its way on the other stream: the Job's reason
+            # after its pod vanished (DeadlineExceeded), or the pod's final status after
+            # its Job ended. Wait for it, but not forever.
+            if job.settle_by is None:
+                alive = pod is not None and not job.pod_gone
+                wait = (
+                    self.cancel_grace_seconds + SETTLE_MARGIN_SECONDS
+                    if alive
+                    else POD_GONE_SETTLE_SECONDS
+                )
+                job.settle_by = time.monotonic() + wait
+                self.poke()
+            return
+        if pod is not None and not pod_started(pod):
+            waiting = pending_reason(pod, job.manifest)
+            if waiting:
+                self._report_pending(job, waiting)
+
+    def _conclude_as_known(self, job: TrackedJob) -> None:
+        """End a job from whatever was last seen of its pod and Job."""
+        code, sig, reason = pod_outcome(job.pod, job.job)
+        if not reason and not job.cancelled:
+            if job.pod_gone:
+                reason = "the pod was deleted before it finished"
+            elif job.pod is None and job.job_gone:
+                reason = "the Job was deleted before its pod started"
+            elif job.pod is None:
+                reason = "the Job ended before its pod was seen"
+            else:
+                reason = "the pod did not report how it ended"
+        self._conclude(job, code, sig, reason)
+
+    # -- deadlines ------------------------------------------------------------------------
+
+    def poke(self) -> None:
+        """A deadline changed: recompute when the timers next need to run."""
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Pending timeouts, event probes for pod-less Jobs, and settle deadlines."""
+        while True:
+            now = time.monotonic()
+            upcoming: list[float] = []
+            for job in list(self._jobs.values()):
+                moment = self._tick(job, now)
+                if moment is not None:
+                    upcoming.append(moment)
+            self._wake.clear()
+            timeout = max(0.0, min(upcoming) - time.monotonic()) if upcoming else None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+
+    def _tick(self, job: TrackedJob, now: float) -> float | None:
+        if job.done or not job.created:
+            return None
+        moments: list[float] = []
+        if job.settle_by is not None:
+            if now >= job.settle_by:
+                self._conclude_as_known(job)
+                return None
+            moments.append(job.settle_by)
+        if job.failing_to_start:
+            return None
+        if not job.cancelled and not pod_started(job.pod) and not job.job_gone:
+            deadline = job.created_at + self.pending_timeout_seconds
+            if now >= deadline:
+                self._fail_to_start(job)
+                return None
+            moments.append(deadline)
+            if job.pod is None:
+                if now >= job.next_probe:
+                    job.next_probe = now + EVENTS_PROBE_INTERVAL
+                    self._probe_events(job)
+                moments.append(job.next_probe)
+        return min(moments) if moments else None

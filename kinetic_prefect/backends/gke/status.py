@@ -1,0 +1,212 @@
+"""What Kubernetes says about a Job and its pod, read from the objects alone (no API calls).
+
+Owns the interpretation shared by the gke backend and `kinetic-prefect jobs`: whether a
+pod ever started, how it ended (exit code, signal, and the most telling reason:
+preempted, Evicted, OOMKilled, DeadlineExceeded), why a pending pod is not running
+(image pull, container config, unschedulable, with what the pod asks of a node) and
+the one-line status a Job shows in `jobs ls`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kinetic_prefect.launch.manifest import ANNOTATION_ACCELERATOR, CONTAINER_NAME, container_of
+
+_IMAGE_WAITING_REASONS = {
+    "ErrImagePull",
+    "ImagePullBackOff",
+    "InvalidImageName",
+    "ErrImageNeverPull",
+    "RegistryUnavailable",
+}
+_CONFIG_WAITING_REASONS = {"CreateContainerConfigError", "CreateContainerError"}
+_DISRUPTIONS = {
+    "PreemptionByScheduler": "preempted by the scheduler for a higher-priority pod",
+    "TerminationByKubelet": "preempted: the node is shutting down (spot or maintenance)",
+    "DeletionByTaintManager": "preempted: the node was tainted (spot reclaim or node problem)",
+    "EvictionByEvictionAPI": "evicted through the Eviction API (node drain or upgrade)",
+    "DeletionByPodGC": "preempted: the node disappeared",
+}
+
+
+def _conditions(obj: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    return list(((obj or {}).get("status") or {}).get("conditions") or [])
+
+
+def true_condition(obj: Mapping[str, Any] | None, kind: str) -> dict[str, Any] | None:
+    """The condition of type `kind` whose status is True, if the object has one."""
+    for condition in _conditions(obj):
+        if condition.get("type") == kind and condition.get("status") == "True":
+            return condition
+    return None
+
+
+def _task_container_status(pod: Mapping[str, Any]) -> dict[str, Any]:
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    for status in statuses:
+        if status.get("name") == CONTAINER_NAME:
+            return dict(status)
+    return dict(statuses[0]) if statuses else {}
+
+
+def _terminated(pod: Mapping[str, Any]) -> dict[str, Any]:
+    status = _task_container_status(pod)
+    state = status.get("state") or {}
+    return dict(state.get("terminated") or (status.get("lastState") or {}).get("terminated") or {})
+
+
+def pod_phase(pod: Mapping[str, Any] | None) -> str:
+    return str(((pod or {}).get("status") or {}).get("phase") or "")
+
+
+def pod_started(pod: Mapping[str, Any] | None) -> bool:
+    """Whether the container ever ran (a pod past Pending)."""
+    if pod is None:
+        return False
+    if pod_phase(pod) in {"Running", "Succeeded", "Failed"}:
+        return True
+    state = _task_container_status(pod).get("state") or {}
+    return "running" in state or "terminated" in state
+
+
+def job_failure(job: Mapping[str, Any] | None) -> str:
+    """The Job controller's reason for failing a Job, when it says more than the pod does."""
+    condition = true_condition(job, "FailureTarget") or true_condition(job, "Failed")
+    if condition is None or condition.get("reason") in {None, "", "BackoffLimitExceeded"}:
+        return ""
+    return f"{condition.get('reason')}: {condition.get('message') or ''}".strip().rstrip(":")
+
+
+def pod_outcome(
+    pod: Mapping[str, Any] | None, job: Mapping[str, Any] | None = None
+) -> tuple[int | None, int | None, str]:
+    """(exit code, signal, reason) of a pod that ended, from its status and its Job's.
+
+    The reason names what Kubernetes did to the pod (preempted, Evicted,
+    OOMKilled, DeadlineExceeded); without one, an exit code above 128 is
+    reported as the signal that killed the container.
+    """
+    pod = pod or {}
+    status = pod.get("status") or {}
+    terminated = _terminated(pod)
+    exit_code = terminated.get("exitCode")
+    signal = terminated.get("signal")
+    disruption = true_condition(pod, "DisruptionTarget")
+    if disruption is not None:
+        what = _DISRUPTIONS.get(str(disruption.get("reason")), "preempted")
+        reason = f"{what} ({disruption.get('reason')}: {disruption.get('message') or ''})"
+    elif status.get("reason") == "Evicted":
+        reason = f"Evicted: {status.get('message') or 'the node ran out of resources'}"
+    elif terminated.get("reason") == "OOMKilled":
+        reason = "OOMKilled: the container exceeded its memory limit"
+    elif job_failure(job):
+        reason = job_failure(job)
+    elif status.get("reason"):
+        reason = f"{status.get('reason')}: {status.get('message') or ''}".strip().rstrip(":")
+    else:
+        reason = ""
+    if reason:
+        signal = None
+    elif signal is None and isinstance(exit_code, int) and exit_code > 128:
+        signal = exit_code - 128
+    return exit_code, signal, reason
+
+
+def infrastructure_took(pod: Mapping[str, Any] | None) -> bool:
+    """True when Kubernetes took the pod away (preemption, eviction, node loss), not the task."""
+    status = (pod or {}).get("status") or {}
+    return true_condition(pod, "DisruptionTarget") is not None or status.get("reason") in (
+        "Evicted",
+        "NodeLost",
+        "Shutdown",
+        "Terminated",
+    )
+
+
+def accelerator_hint(manifest: Mapping[str, Any]) -> str:
+    """What the pod asks of a node, to name in an unschedulable message."""
+    pod_spec = manifest["spec"]["template"]["spec"]
+    accelerator = (manifest["metadata"].get("annotations") or {}).get(ANNOTATION_ACCELERATOR)
+    selectors = ", ".join(f"{k}={v}" for k, v in (pod_spec.get("nodeSelector") or {}).items())
+    limits = ", ".join(
+        f"{k}: {v}"
+        for k, v in ((container_of(manifest).get("resources") or {}).get("limits") or {}).items()
+    )
+    spec = manifest["spec"]
+    hosts = int(spec.get("completions") or 1) if spec.get("completionMode") == "Indexed" else 1
+    nodes = f"{hosts} nodes (one per host), each" if hosts > 1 else "a node"
+    parts = [f"{nodes} with {selectors}" if selectors else "", f"{limits} free" if limits else ""]
+    wants = " and ".join(part for part in parts if part)
+    if not wants:
+        return ""
+    what = f"accelerator {accelerator or 'requested'}"
+    if hosts > 1:
+        topology = (pod_spec.get("nodeSelector") or {}).get("cloud.google.com/gke-tpu-topology")
+        what = f"the {hosts}-host slice {accelerator} (topology {topology})"
+        pool = f"a TPU slice node pool of topology {topology} with {hosts} free nodes"
+    else:
+        pool = "a node pool offers it"
+    return (
+        f"{what} needs {wants}; check that {pool} "
+        f"(kinetic-prefect doctor --accelerator {accelerator or 'NAME'})"
+    )
+
+
+def pending_reason(pod: Mapping[str, Any], manifest: Mapping[str, Any]) -> str | None:
+    """Why a pending pod is not running, when Kubernetes says so; None while it just starts."""
+    container = _task_container_status(pod)
+    waiting = (container.get("state") or {}).get("waiting") or {}
+    reason = waiting.get("reason")
+    message = waiting.get("message") or ""
+    if reason in _IMAGE_WAITING_REASONS:
+        image = container_of(manifest).get("image") or container.get("image")
+        return f"cannot pull image {image} ({reason}: {message})".replace(": )", ")")
+    if reason in _CONFIG_WAITING_REASONS:
+        return f"cannot create the container ({reason}: {message})".replace(": )", ")")
+    for condition in _conditions(pod):
+        if condition.get("type") == "PodScheduled" and condition.get("status") == "False":
+            if condition.get("reason") != "Unschedulable":
+                continue
+            hint = accelerator_hint(manifest)
+            text = f"unschedulable: {condition.get('message') or 'no node fits the pod'}"
+            return f"{text} — {hint}" if hint else text
+    return None
+
+
+def failed_create_reason(events: list[dict[str, Any]]) -> str | None:
+    """Why the Job controller cannot create a pod (quota, admission), from the Job's events."""
+    failures = [e for e in events if e.get("reason") == "FailedCreate"]
+    if not failures:
+        return None
+    latest = max(failures, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
+    return f"cannot create the pod: {latest.get('message') or 'FailedCreate'}"
+
+
+def job_status(
+    job: Mapping[str, Any], pod: Mapping[str, Any] | None
+) -> tuple[str, bool, str | None]:
+    """(status, finished, when it finished) of a Job and its newest pod, as `jobs ls` shows it."""
+    if job.get("metadata", {}).get("deletionTimestamp"):
+        return "Deleting", False, None
+    complete = true_condition(job, "Complete")
+    if complete is not None:
+        return "Succeeded", True, complete.get("lastTransitionTime")
+    failed = true_condition(job, "Failed")
+    if failed is not None:
+        _, _, reason = pod_outcome(pod, job)
+        detail = reason or job_failure(job) or failed.get("reason") or ""
+        return (
+            f"Failed: {detail}" if detail else "Failed",
+            True,
+            failed.get("lastTransitionTime"),
+        )
+    if pod is not None:
+        phase = pod_phase(pod) or "Pending"
+        if phase == "Pending":
+            manifest = {"metadata": job.get("metadata") or {}, "spec": job.get("spec") or {}}
+            waiting = pending_reason(pod, manifest)
+            return f"Pending: {waiting}" if waiting else "Pending", False, None
+        return phase, phase in {"Succeeded", "Failed"}, None
+    return "Pending", False, None

@@ -1,0 +1,1 @@
+"""The local backend: pods as local process groups, run from the same Job manifest."""

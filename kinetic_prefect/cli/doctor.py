@@ -1,0 +1,174 @@
+"""`kinetic-prefect doctor`: every check a first run on a cluster depends on, each with its fix.
+
+The launch-time checks (`kinetic_prefect.launch.preflight`) run again here, with
+the cluster's own: access to its Jobs, and node pools for the accelerator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kinetic_prefect.errors import ConfigurationError
+from kinetic_prefect.launch.preflight import (
+    check_api_reachable_by_pods,
+    check_jobs_root,
+    check_result_storage,
+)
+
+
+@dataclass(frozen=True)
+class Check:
+    """One line of `kinetic-prefect doctor`: `level` is ok, warn or fail."""
+
+    name: str
+    level: str
+    detail: str
+
+
+def _api_check(settings: Any) -> Check:
+    from prefect import get_client
+
+    try:
+        url = (
+            check_api_reachable_by_pods(settings)
+            if settings.backend == "gke"
+            else get_current_api_url()
+        )
+    except ConfigurationError as exc:
+        return Check("Prefect API", "fail", str(exc))
+    if not url:
+        return Check("Prefect API", "ok", "no PREFECT_API_URL: local runs use an ephemeral API")
+    with get_client(sync_client=True) as client:
+        error = client.api_healthcheck()
+    if error is not None:
+        return Check("Prefect API", "fail", f"{url} does not answer from here: {error}")
+    where = "pods will report to it" if settings.backend == "gke" else "reachable"
+    return Check("Prefect API", "ok", f"{url} answers; {where}")
+
+
+def get_current_api_url() -> str | None:
+    from prefect.settings import get_current_settings
+
+    return get_current_settings().api.url
+
+
+def _bucket_checks(cluster: Any, settings: Any) -> list[Check]:
+    checks: list[Check] = []
+    try:
+        jobs_root = settings.resolved_jobs_root()
+        if "://" in jobs_root:
+            check_jobs_root(jobs_root, cluster)
+        checks.append(Check("Jobs bucket", "ok", f"{jobs_root} is reachable"))
+    except ConfigurationError as exc:
+        checks.append(Check("Jobs bucket", "fail", str(exc)))
+    if settings.backend == "gke":
+        storage = getattr(cluster, "result_storage", None) if cluster is not None else None
+        try:
+            check_result_storage(storage)
+            checks.append(
+                Check("Result storage", "ok", f"GcsBucket {getattr(storage, 'bucket', '')}")
+            )
+        except ConfigurationError as exc:
+            checks.append(Check("Result storage", "fail", str(exc)))
+    return checks
+
+
+async def _cluster_checks(cluster: Any, settings: Any, accelerator: str | None) -> list[Check]:
+    from kubernetes_asyncio import client
+
+    from kinetic_prefect.backends.gke.client import MANAGED_SELECTOR, connect, list_nodes, read_json
+
+    try:
+        access = await connect(cluster, settings.kube_context)
+    except ConfigurationError as exc:
+        return [Check("Cluster access", "fail", str(exc))]
+    checks: list[Check] = []
+    try:
+        try:
+            await read_json(
+                await client.BatchV1Api(access.client).list_namespaced_job(
+                    settings.namespace,
+                    label_selector=MANAGED_SELECTOR,
+                    limit=1,
+                    _preload_content=False,
+                )
+            )
+        except Exception as exc:
+            return [
+                Check(
+                    "Cluster access",
+                    "fail",
+                    f"{access.source} ({access.server}) cannot list Jobs in namespace "
+                    f"{settings.namespace}: {exc}. Apply deployments/k8s/rbac.yaml.",
+                )
+            ]
+        checks.append(
+            Check(
+                "Cluster access",
+                "ok",
+                f"{access.source} ({access.server}), namespace {settings.namespace}",
+            )
+        )
+        if accelerator:
+            checks.append(await _node_pool_check(access, accelerator, list_nodes))
+    finally:
+        await access.close()
+    return checks
+
+
+async def _node_pool_check(access: Any, name: str, list_nodes: Any) -> Check:
+    from kinetic_prefect.launch.accelerators import parse_accelerator
+
+    try:
+        accelerator = parse_accelerator(name)
+    except ValueError as exc:
+        return Check("Node pools", "fail", str(exc))
+    try:
+        nodes = await list_nodes(access)
+    except Exception as exc:
+        return Check(
+            "Node pools",
+            "warn",
+            f"cannot list nodes ({getattr(exc, 'status', exc)}); grant it with the ClusterRole "
+            "in deployments/k8s/rbac.yaml, or check with gcloud container node-pools list",
+        )
+    selector = accelerator.node_selector
+    wanted = ", ".join(f"{k}={v}" for k, v in selector.items()) or "no node selector"
+    matching = [
+        node
+        for node in nodes
+        if all(
+            ((node.get("metadata") or {}).get("labels") or {}).get(k) == v
+            for k, v in selector.items()
+        )
+    ]
+    if not matching:
+        return Check(
+            "Node pools",
+            "warn",
+            f"no node has {wanted} now; a node pool that scales from zero shows no node until a "
+            "pod asks for one (gcloud container node-pools list --cluster CLUSTER)",
+        )
+    offered = []
+    for resource, amount in accelerator.resource_limits.items():
+        free = [
+            ((n.get("status") or {}).get("allocatable") or {}).get(resource, "0") for n in matching
+        ]
+        enough = sum(1 for f in free if int(str(f)) >= int(amount))
+        offered.append(f"{enough} with {resource} >= {amount}")
+    detail = f"{len(matching)} node(s) with {wanted}" + (
+        f" ({', '.join(offered)})" if offered else ""
+    )
+    return Check("Node pools", "ok", f"{accelerator.name}: {detail}")
+
+
+def doctor_checks(cluster: Any, settings: Any, accelerator: str | None = None) -> list[Check]:
+    """Every check `kinetic-prefect doctor` prints, in order."""
+    from kinetic_prefect.backends.gke.client import run_sync
+
+    checks = [_api_check(settings), *_bucket_checks(cluster, settings)]
+    wanted = accelerator or (settings.accelerator if settings.accelerator != "cpu" else None)
+    if settings.backend == "gke" or accelerator:
+        checks += run_sync(_cluster_checks(cluster, settings, wanted))
+    return checks

@@ -1,0 +1,190 @@
+"""Google Cloud Storage: clients with retries, emulator mode, and the jobs store on a bucket.
+
+Emulator mode: when `STORAGE_EMULATOR_HOST` is set, every client this project
+creates uses anonymous credentials, in the orchestrator and in every pod.
+Every client retries 429, 5xx and connection errors with backoff at the HTTP
+layer, so uploads, downloads and Prefect result writes all survive a flaky GCS.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+if TYPE_CHECKING:
+    from google.cloud.storage import Client
+
+RETRY_STATUSES = (408, 429, 500, 502, 503, 504)
+# Objects over 8 MiB go up as resumable uploads in chunks of this size: one
+# chunk per request is held in memory, and a failed chunk is re-sent alone.
+UPLOAD_CHUNK_BYTES = 32 * 1024 * 1024
+EMULATOR_PROJECT = "kinetic-emulator"
+
+
+def emulator_host() -> str | None:
+    """The GCS emulator endpoint, when emulator mode is on."""
+    return os.environ.get("STORAGE_EMULATOR_HOST") or None
+
+
+def retrying_session(credentials: Any | None) -> Any:
+    """An HTTP session for google-cloud-storage that retries transient failures."""
+    import requests
+    from requests.adapters import HTTPAdapter
+    from urllib3.util.retry import Retry
+
+    if credentials is None:
+        session = requests.Session()
+    else:
+        from google.auth.transport.requests import AuthorizedSession
+
+        session = AuthorizedSession(credentials)
+    retry = Retry(
+        total=10,
+        connect=10,
+        read=10,
+        status=10,
+        backoff_factor=0.1,
+        backoff_max=8,
+        status_forcelist=RETRY_STATUSES,
+        allowed_methods=None,  # our writes are idempotent: same bytes to the same key
+        raise_on_status=False,
+        respect_retry_after_header=True,
+    )
+    adapter = HTTPAdapter(max_retries=retry, pool_maxsize=32)
+    session.mount("http://", adapter)
+    session.mount("https://", adapter)
+    return session
+
+
+def storage_client(project: str | None = None, credentials: Any | None = None) -> Client:
+    """A Cloud Storage client: anonymous in emulator mode, else the given or default credentials."""
+    from google.cloud import storage
+
+    if emulator_host():
+        from google.auth.credentials import AnonymousCredentials
+
+        return storage.Client(
+            project=project or EMULATOR_PROJECT,
+            credentials=AnonymousCredentials(),
+            _http=retrying_session(None),
+        )
+    if credentials is None:
+        import google.auth
+
+        credentials, default_project = google.auth.default(
+            scopes=["https://www.googleapis.com/auth/devstorage.read_write"]
+        )
+        project = project or default_project
+    return storage.Client(
+        project=project, credentials=credentials, _http=retrying_session(credentials)
+    )
+
+
+def split_gs_uri(uri: str) -> tuple[str, str]:
+    """`gs://bucket/some/prefix` → (`bucket`, `some/prefix`); raises on a URI without a bucket."""
+    if not uri.startswith("gs://"):
+        raise ValueError(f"{uri!r} is not a gs:// URI.")
+    bucket, _, prefix = uri[len("gs://") :].partition("/")
+    if not bucket:
+        raise ValueError(f"{uri!r} has no bucket: use gs://BUCKET/optional/prefix.")
+    return bucket, prefix.strip("/")
+
+
+_clients: dict[int, Any] = {}
+_clients_lock = threading.Lock()
+
+
+def _shared_client() -> Client:
+    # One client per process (and per emulator setting): clients hold connection pools.
+    key = hash(emulator_host())
+    with _clients_lock:
+        if key not in _clients:
+            _clients[key] = storage_client()
+        return _clients[key]
+
+
+class GcsStore:
+    """The jobs store over `gs://bucket/prefix`, with byte and request counters."""
+
+    def __init__(self, root: str, client: Client | None = None) -> None:
+        self.bucket_name, self.prefix = split_gs_uri(root)
+        self.root = f"gs://{self.bucket_name}" + (f"/{self.prefix}" if self.prefix else "")
+        self._client = client
+        self._counters = threading.Lock()
+        self.bytes_uploaded = 0
+        self.uploads = 0
+
+    @property
+    def client(self) -> Client:
+        if self._client is None:
+            self._client = _shared_client()
+        return self._client
+
+    def _name(self, key: str) -> str:
+        key = key.strip("/")
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _prefix(self, prefix: str) -> str:
+        # `a/b/` is the folder `a/b/` and nothing else: its trailing slash is kept.
+        name = self._name(prefix)
+        return f"{name}/" if prefix.endswith("/") and name and not name.endswith("/") else name
+
+    def _blob(self, key: str) -> Any:
+        return self.client.bucket(self.bucket_name).blob(self._name(key))
+
+    def uri(self, key: str) -> str:
+        return f"gs://{self.bucket_name}/{self._name(key)}"
+
+    def put_bytes(self, key: str, data: bytes) -> str:
+        return self.put_stream(key, io.BytesIO(data), len(data))
+
+    def put_stream(self, key: str, stream: BinaryIO, size: int) -> str:
+        from google.cloud.storage.retry import DEFAULT_RETRY
+
+        # A resumable upload rewinds `stream` to the last byte GCS confirmed and
+        # re-sends from there; `stream` must support tell() and seek().
+        blob = self._blob(key)
+        blob.chunk_size = UPLOAD_CHUNK_BYTES
+        blob.upload_from_file(stream, size=size, rewind=False, retry=DEFAULT_RETRY)
+        with self._counters:
+            self.bytes_uploaded += size
+            self.uploads += 1
+        return self.uri(key)
+
+    def get_bytes(self, key: str) -> bytes:
+        data: bytes = self._blob(key).download_as_bytes()
+        return data
+
+    def get_file(self, key: str, destination: Path) -> None:
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        self._blob(key).download_to_filename(str(destination))
+
+    def list(self, prefix: str) -> list[tuple[str, int]]:
+        """Objects whose names start with `prefix` (exactly: `p/` never matches `p-extra/`)."""
+        name = self._prefix(prefix)
+        strip = f"{self.prefix}/" if self.prefix else ""
+        return sorted(
+            (blob.name[len(strip) :], int(blob.size or 0))
+            for blob in self.client.list_blobs(self.bucket_name, prefix=name)
+        )
+
+    def exists(self, key: str) -> bool:
+        return bool(self._blob(key).exists())
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete the object `prefix` and every object under `prefix/`."""
+        name = self._name(prefix)
+        blobs = [
+            blob
+            for blob in self.client.list_blobs(self.bucket_name, prefix=name)
+            if blob.name == name or blob.name.startswith(f"{name}/")
+        ]
+        for blob in blobs:
+            blob.delete()
+        return len(blobs)
+
+    def bucket_exists(self) -> bool:
+        return bool(self.client.bucket(self.bucket_name).exists())

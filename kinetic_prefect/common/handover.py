@@ -1,0 +1,68 @@
+"""Handing task runs to warm pods through the jobs store: the records and their names.
+
+The runner cannot reach a pod over the network on GKE, so work is handed over
+through the jobs store. A warm pod's warm dir (`common.layout.warm_dir`) receives
+`assign-{n}.json` for its n-th next task; the pod answers with `accepted-{n}.json`
+before it touches the task, so a runner that sees the pod exit can tell a task
+the pod never picked up from one it ran.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+# The lines around each task's part of a warm pod's log (`jobs logs JOB_ID` cuts there).
+BEGIN_MARK = "kinetic-prefect pod: ===== begin job"
+END_MARK = "kinetic-prefect pod: ===== end job"
+
+
+def assignment_name(sequence: int) -> str:
+    return f"assign-{sequence}.json"
+
+
+def accepted_name(sequence: int) -> str:
+    return f"accepted-{sequence}.json"
+
+
+def poll_seconds(uri: str) -> float:
+    """How often to look at the store: a local path is cheap, a bucket costs a request."""
+    return 0.5 if "://" in uri else 0.02
+
+
+def reuse_margin(uri: str) -> float:
+    """Idle time a pod must have left to be handed a task (it could idle out meanwhile)."""
+    return max(1.0, 4 * poll_seconds(uri))
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """The next task run for a warm pod: the pod's arguments and the task's own env."""
+
+    job_id: str
+    task_run_id: str
+    job_dir: str
+    payload: str
+    payload_sha256: str
+    context: str
+    context_sha256: str
+    env: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Assignment:
+        return cls(**json.loads(data))
+
+
+def task_section(log: str, job_id: str) -> str:
+    """The part of a warm pod's log written while it ran job `job_id` ("" if none)."""
+    lines = log.splitlines(keepends=True)
+    begin = f"{BEGIN_MARK} {job_id} "
+    end = f"{END_MARK} {job_id} "
+    start = next((i for i, line in enumerate(lines) if line.startswith(begin)), None)
+    if start is None:
+        return ""
+    stop = next((i for i in range(start, len(lines)) if lines[i].startswith(end)), len(lines) - 1)
+    return "".join(lines[start : stop + 1])

@@ -1,0 +1,62 @@
+"""The jobs store's layout: where every record and artifact lives, below the store's root.
+
+The jobs store is one prefix, `gs://{jobs bucket}/...` on gke or `.kinetic/` locally::
+
+    kinetic/{job_id}/payload.pkl         the pickled task run (one per attempt)
+    kinetic/{job_id}/handle.json         written before the Job is created (gke)
+    kinetic/{job_id}/final-state.pkl     the pod's Prefect state, when the task ran
+    kinetic/{job_id}/final-state.json    the pod's signed word on how it ended, written last
+    kinetic/{job_id}/warm-pod.json       the warm pod that ran this job's task
+    kinetic/{pod_id}/warm/assign-{n}.json, accepted-{n}.json   hand-overs to a warm pod
+    code-cache/{sha256}.zip, .done       code archives, shared by every job with that code
+    data-cache/{sha256}/...              local `Data`, one object per file
+    data-markers/{sha256}                its file list, written last
+    leases/{flow_run_id}.json            the runner's lease over its flow run's pods
+    outputs/{flow_run_id}/{task_key}/    KINETIC_OUTPUT_DIR (default root); never cleaned up
+"""
+
+from __future__ import annotations
+
+JOBS_PREFIX = "kinetic"
+CODE_CACHE_PREFIX = "code-cache"
+DATA_CACHE_PREFIX = "data-cache"
+DATA_MARKER_PREFIX = "data-markers"
+LEASES_PREFIX = "leases"
+OUTPUTS_PREFIX = "outputs"
+
+PAYLOAD_FILE = "payload.pkl"
+HANDLE_FILE = "handle.json"
+FINAL_STATE_PICKLE = "final-state.pkl"
+FINAL_STATE_JSON = "final-state.json"
+WARM_POD_JSON = "warm-pod.json"
+
+
+def job_dir(job_id: str) -> str:
+    """A job's directory: everything one attempt's pod reads and leaves."""
+    return f"{JOBS_PREFIX}/{job_id}"
+
+
+def job_file(job_id: str, name: str) -> str:
+    return f"{job_dir(job_id)}/{name}"
+
+
+def warm_dir(pod_id: str) -> str:
+    """Where the runner hands task runs to warm pod `pod_id`, and the pod accepts them."""
+    return f"{job_dir(pod_id)}/warm"
+
+
+def code_archive_keys(sha256: str) -> tuple[str, str]:
+    """The code archive's key and the marker written after it."""
+    return f"{CODE_CACHE_PREFIX}/{sha256}.zip", f"{CODE_CACHE_PREFIX}/{sha256}.done"
+
+
+def data_cache_key(digest: str, relative: str = "") -> str:
+    return f"{DATA_CACHE_PREFIX}/{digest}" + (f"/{relative}" if relative else "")
+
+
+def data_marker_key(digest: str) -> str:
+    return f"{DATA_MARKER_PREFIX}/{digest}"
+
+
+def lease_key(flow_run_id: str) -> str:
+    return f"{LEASES_PREFIX}/{flow_run_id}.json"

@@ -1,0 +1,66 @@
+"""The final-state records a pod leaves in its job directory.
+
+`final-state.json` is written last and is the pod's word on how it ended;
+`final-state.pkl`, written before it, carries the Prefect state (and so the
+result or the exception) when the task ran.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kinetic_prefect.common.layout import FINAL_STATE_JSON, FINAL_STATE_PICKLE  # noqa: F401
+
+PHASES = ("download", "verify", "extract", "unpickle", "data", "environment", "run", "report")
+
+
+STATUS_FINISHED = "finished"
+STATUS_PHASE_FAILED = "phase-failed"
+# The task run was already final when the pod was about to run it: the pod left it as it was.
+STATUS_ALREADY_FINAL = "already-final"
+
+
+@dataclass
+class FinalRecord:
+    """What a pod reports about itself, readable without unpickling anything."""
+
+    status: str
+    phase: str | None = None
+    error_type: str | None = None
+    message: str | None = None
+    traceback: str | None = None
+    state_type: str | None = None
+    state_name: str | None = None
+    versions: dict[str, str] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    # sha256 of final-state.pkl, so the signature covers the pickle too.
+    pickle_sha256: str | None = None
+    signature: str | None = None
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), indent=1).encode()
+
+    def _signed_bytes(self) -> bytes:
+        fields = {k: v for k, v in asdict(self).items() if k != "signature"}
+        return json.dumps(fields, sort_keys=True).encode()
+
+    def sign(self, key: str) -> None:
+        """Sign the record (and through `pickle_sha256`, the pickle) with the runner's key."""
+        self.signature = hmac.new(key.encode(), self._signed_bytes(), hashlib.sha256).hexdigest()
+
+    def signed_by(self, key: str) -> bool:
+        """True if the record carries a valid signature made with `key`."""
+        if not self.signature:
+            return False
+        expected = hmac.new(key.encode(), self._signed_bytes(), hashlib.sha256).hexdigest()
+        return hmac.compare_digest(expected, self.signature)
+
+    @classmethod
+    def from_json(cls, data: bytes) -> FinalRecord:
+        raw: dict[str, Any] = json.loads(data)
+        known = {k: v for k, v in raw.items() if k in cls.__dataclass_fields__}
+        return cls(**known)

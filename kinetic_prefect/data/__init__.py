@@ -1,0 +1,1 @@
+"""`Data`: content hashing, the data cache, uploads, and resolution in the pod."""

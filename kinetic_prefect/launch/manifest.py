@@ -1,0 +1,242 @@
+"""The batch/v1 Job manifest for one launch: the single source for every backend.
+
+The local backend runs the container's command and env as a process; the
+Kubernetes backend sends the same dict to the API server.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kinetic_prefect.common.env import JOB_ID_ENV, OUTPUT_DIR_ENV, POD_ACCELERATOR_ENV
+from kinetic_prefect.launch.accelerators import Accelerator
+
+MANAGED_BY = "kinetic-prefect"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_JOB_ID = "kinetic-prefect.io/job-id"
+LABEL_TASK_RUN_ID = "kinetic-prefect.io/task-run-id"
+LABEL_FLOW_RUN_ID = "kinetic-prefect.io/flow-run-id"
+# A digest of the flow run id and the task key (`identity.task_identity`): one live pod at most.
+LABEL_TASK_IDENTITY = "kinetic-prefect.io/task-identity"
+# On a warm pod's Job: after its first task it may run any task run of its flow run.
+LABEL_WARM = "kinetic-prefect.io/warm"
+ANNOTATION_ACCELERATOR = "kinetic-prefect.io/accelerator"
+ANNOTATION_TASK_NAME = "kinetic-prefect.io/task-name"
+ANNOTATION_OUTPUT_DIR = "kinetic-prefect.io/output-dir"
+CONTAINER_NAME = "task"
+POD_MODULE = "kinetic_prefect.pod"
+
+_DNS_UNSAFE = re.compile(r"[^a-z0-9-]+")
+_MAX_JOB_NAME = 52  # leaves room for the pod-name suffix Kubernetes appends
+
+
+def new_job_id(task_name: str) -> str:
+    """A DNS-1123 job name: `kp-{task}-{random}`, at most 52 characters."""
+    stem = _DNS_UNSAFE.sub("-", task_name.lower()).strip("-") or "task"
+    suffix = secrets.token_hex(4)
+    stem = stem[: _MAX_JOB_NAME - len("kp--") - len(suffix)].strip("-") or "task"
+    return f"kp-{stem}-{suffix}"
+
+
+@dataclass(frozen=True)
+class SecretRef:
+    """An environment variable whose value comes from a Kubernetes Secret key."""
+
+    env_name: str
+    secret_name: str
+    key: str
+
+
+GCSFUSE_DRIVER = "gcsfuse.csi.storage.gke.io"
+GCSFUSE_ANNOTATION = "gke-gcsfuse/volumes"
+DATA_MOUNT_ROOT = "/mnt/kinetic-data"
+
+
+@dataclass(frozen=True)
+class DataVolume:
+    """A read-only GCS FUSE mount of one bucket folder (`only-dir`) for a `Data(fuse=True)`."""
+
+    name: str
+    bucket: str
+    only_dir: str
+
+    @classmethod
+    def for_uri(cls, name: str, uri: str, is_dir: bool) -> DataVolume:
+        bucket, _, key = uri[len("gs://") :].partition("/")
+        folder = key.rstrip("/") if is_dir else key.rpartition("/")[0]
+        return cls(name=name, bucket=bucket, only_dir=folder)
+
+    @property
+    def mount_path(self) -> str:
+        return f"{DATA_MOUNT_ROOT}/{self.name}"
+
+    def volume(self) -> dict[str, Any]:
+        options = "implicit-dirs" + (f",only-dir={self.only_dir}" if self.only_dir else "")
+        return {
+            "name": self.name,
+            "csi": {
+                "driver": GCSFUSE_DRIVER,
+                "readOnly": True,
+                "volumeAttributes": {"bucketName": self.bucket, "mountOptions": options},
+            },
+        }
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """Everything that decides one pod: what to run, where, and with what."""
+
+    job_id: str
+    task_name: str
+    task_run_id: str | None
+    flow_run_id: str | None
+    accelerator: Accelerator
+    image: str
+    namespace: str
+    output_dir: str
+    payload_uri: str = ""
+    payload_sha256: str = ""
+    context_uri: str = ""
+    context_sha256: str = ""
+    job_dir_uri: str = ""
+    env: Mapping[str, str] = field(default_factory=dict)
+    secret_env: tuple[SecretRef, ...] = ()
+    timeout_seconds: int | None = None
+    ttl_seconds_after_finished: int = 3600
+    service_account: str | None = None
+    # Only a flow-run pod talks to the Kubernetes API (to launch its task pods);
+    # task pods never get a service-account token.
+    automount_service_account_token: bool = False
+    data_volumes: tuple[DataVolume, ...] = ()
+    # A flow-run pod runs Prefect's own command (`prefect flow-run execute`)
+    # instead of the task pod entrypoint and its artifact arguments.
+    command: tuple[str, ...] = ()
+    extra_labels: Mapping[str, str] = field(default_factory=dict)
+
+    def labels(self) -> dict[str, str]:
+        labels = {**self.extra_labels, LABEL_MANAGED_BY: MANAGED_BY, LABEL_JOB_ID: self.job_id}
+        if self.task_run_id:
+            labels[LABEL_TASK_RUN_ID] = self.task_run_id
+        if self.flow_run_id:
+            labels[LABEL_FLOW_RUN_ID] = self.flow_run_id
+        return labels
+
+
+def pod_args(spec: LaunchSpec) -> list[str]:
+    """The arguments of `python -m kinetic_prefect.pod` for this launch."""
+    return [
+        "--job-dir",
+        spec.job_dir_uri,
+        "--payload",
+        spec.payload_uri,
+        "--payload-sha256",
+        spec.payload_sha256,
+        "--context",
+        spec.context_uri,
+        "--context-sha256",
+        spec.context_sha256,
+    ]
+
+
+def _env_list(spec: LaunchSpec) -> list[dict[str, Any]]:
+    plain = {
+        **spec.env,
+        JOB_ID_ENV: spec.job_id,
+        OUTPUT_DIR_ENV: spec.output_dir,
+        # The pod's own accelerator, for the task to read; deliberately not the
+        # KINETIC_ACCELERATOR setting, so runners inside the pod do not inherit it.
+        POD_ACCELERATOR_ENV: spec.accelerator.name,
+    }
+    secret_names = {ref.env_name for ref in spec.secret_env}
+    env: list[dict[str, Any]] = [
+        {"name": name, "value": str(value)}
+        for name, value in sorted(plain.items())
+        if name not in secret_names
+    ]
+    env += [
+        {
+            "name": ref.env_name,
+            "valueFrom": {"secretKeyRef": {"name": ref.secret_name, "key": ref.key}},
+        }
+        for ref in spec.secret_env
+    ]
+    return env
+
+
+def build_job_manifest(spec: LaunchSpec) -> dict[str, Any]:
+    """The batch/v1 Job for `spec`.
+
+    Retries belong to Prefect, so Kubernetes never restarts or re-creates the pod
+    (`restartPolicy: Never`, `backoffLimit: 0`).
+
+    Example:
+        ```python
+        manifest = build_job_manifest(spec)
+        assert manifest["spec"]["backoffLimit"] == 0
+        ```
+    """
+    accelerator = spec.accelerator
+    container: dict[str, Any] = {
+        "name": CONTAINER_NAME,
+        "image": spec.image,
+        "command": list(spec.command) if spec.command else ["python", "-m", POD_MODULE],
+        "args": [] if spec.command else pod_args(spec),
+        "env": _env_list(spec),
+    }
+    limits = accelerator.resource_limits
+    if limits:
+        container["resources"] = {"limits": dict(limits), "requests": dict(limits)}
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "containers": [container],
+    }
+    if accelerator.node_selector:
+        pod_spec["nodeSelector"] = dict(accelerator.node_selector)
+    if accelerator.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in accelerator.tolerations]
+    if spec.service_account:
+        pod_spec["serviceAccountName"] = spec.service_account
+    pod_spec["automountServiceAccountToken"] = spec.automount_service_account_token
+    annotations = {
+        ANNOTATION_ACCELERATOR: accelerator.name,
+        ANNOTATION_TASK_NAME: spec.task_name,
+        ANNOTATION_OUTPUT_DIR: spec.output_dir,
+    }
+    pod_annotations = dict(annotations)
+    if spec.data_volumes:
+        pod_spec["volumes"] = [v.volume() for v in spec.data_volumes]
+        container["volumeMounts"] = [
+            {"name": v.name, "mountPath": v.mount_path, "readOnly": True} for v in spec.data_volumes
+        ]
+        pod_annotations[GCSFUSE_ANNOTATION] = "true"
+    job_spec: dict[str, Any] = {
+        "backoffLimit": 0,
+        "ttlSecondsAfterFinished": spec.ttl_seconds_after_finished,
+        "template": {
+            "metadata": {"labels": spec.labels(), "annotations": pod_annotations},
+            "spec": pod_spec,
+        },
+    }
+    if spec.timeout_seconds:
+        job_spec["activeDeadlineSeconds"] = int(spec.timeout_seconds)
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {
+            "name": spec.job_id,
+            "namespace": spec.namespace,
+            "labels": spec.labels(),
+            "annotations": annotations,
+        },
+        "spec": job_spec,
+    }
+
+
+def container_of(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """The task container of a Job manifest."""
+    containers = manifest["spec"]["template"]["spec"]["containers"]
+    return next(c for c in containers if c["name"] == CONTAINER_NAME)

@@ -1,0 +1,121 @@
+"""Checks that run before any pod starts, so bad configuration fails fast and says what to set."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kinetic_prefect.common import gcs
+from kinetic_prefect.errors import ConfigurationError
+
+
+def check_result_storage(storage: Any) -> None:
+    """With GCS jobs storage, results must go to a saved prefect-gcp `GcsBucket` block."""
+    from prefect_gcp.cloud_storage import GcsBucket
+
+    how = (
+        "Save a GcsBucket block (GcsBucket(bucket=..., gcp_credentials=KineticGcpCredentials())"
+        ".save('results')) and set it as the KineticCluster's result_storage, or pass "
+        "result_storage=GcsBucket.load('results') to the task."
+    )
+    if storage is None:
+        raise ConfigurationError(f"A GCS cluster needs result storage for task results. {how}")
+    if not isinstance(storage, GcsBucket):
+        raise ConfigurationError(
+            f"Result storage {type(storage).__name__} cannot be read outside the pod that wrote "
+            f"it; use a GCS bucket. {how}"
+        )
+    if getattr(storage, "_block_document_id", None) is None:
+        raise ConfigurationError(
+            f"The GcsBucket result storage for bucket {storage.bucket!r} is not saved, so Prefect "
+            f"cannot load it where results are read. {how}"
+        )
+
+
+def check_credentials(cluster: Any) -> Any:
+    """Credentials for GCS outside emulator mode: the block's, else Application Default."""
+    if gcs.emulator_host():
+        return None
+    credentials_block = getattr(cluster, "gcp_credentials", None) if cluster else None
+    try:
+        if credentials_block is not None:
+            return credentials_block.get_credentials_from_service_account()
+        import google.auth
+
+        credentials, _ = google.auth.default()
+        return credentials
+    except Exception as exc:
+        raise ConfigurationError(
+            f"No usable GCP credentials ({exc}). Set service_account_info or service_account_file "
+            "on the KineticCluster's gcp_credentials block, run `gcloud auth application-default "
+            "login`, or set GOOGLE_APPLICATION_CREDENTIALS (on GKE, use Workload Identity)."
+        ) from exc
+
+
+def check_jobs_root(jobs_root: str, cluster: Any) -> None:
+    """The jobs bucket exists and is reachable with the configured credentials."""
+    credentials = check_credentials(cluster)
+    bucket, _ = gcs.split_gs_uri(jobs_root)
+    client = gcs.storage_client(
+        project=getattr(cluster, "project", None) if cluster else None, credentials=credentials
+    )
+    try:
+        exists = client.bucket(bucket).exists()
+    except Exception as exc:
+        raise ConfigurationError(
+            f"Cannot reach the jobs bucket gs://{bucket}: {exc}. Check the credentials' access."
+        ) from exc
+    if not exists:
+        raise ConfigurationError(
+            f"The jobs bucket gs://{bucket} does not exist. Create it (gcloud storage buckets "
+            f"create gs://{bucket}) or set jobs_bucket on the KineticCluster / KINETIC_JOBS_BUCKET."
+        )
+
+
+_LOOPBACK_HOSTS = {"localhost", "ip6-localhost", "ip6-loopback", "0.0.0.0", "::", ""}
+
+
+def is_loopback_url(url: str) -> bool:
+    """Whether `url` points at this machine only (localhost, 127.0.0.0/8, ::1, 0.0.0.0)."""
+    import ipaddress
+    from urllib.parse import urlsplit
+
+    host = (urlsplit(url).hostname or "").lower()
+    if host in _LOOPBACK_HOSTS or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_api_reachable_by_pods(settings: Any) -> str:
+    """Refuse a Prefect API URL that pods in a cluster cannot reach; returns the URL.
+
+    Pods report their task runs to the API themselves, so an ephemeral API (no
+    `PREFECT_API_URL`: a server inside this process) or a loopback one would leave every
+    pod unable to start. `allow_loopback_api` (`KINETIC_ALLOW_LOOPBACK_API=true`) accepts a
+    loopback URL for clusters whose pods share this machine's network.
+    """
+    from prefect.settings import get_current_settings
+
+    how = (
+        "Set PREFECT_API_URL to an address the cluster's pods can reach: Prefect Cloud "
+        "(prefect cloud login), or a Prefect server exposed to the cluster, e.g. "
+        "http://prefect-server.prefect.svc.cluster.local:4200/api."
+    )
+    url = get_current_settings().api.url
+    if not url:
+        raise ConfigurationError(
+            "The gke backend needs a Prefect API that outlives this process, but "
+            f"PREFECT_API_URL is not set (Prefect would start an ephemeral server here). {how}"
+        )
+    if is_loopback_url(url) and not getattr(settings, "allow_loopback_api", False):
+        raise ConfigurationError(
+            f"PREFECT_API_URL={url} is a loopback address, which pods in the cluster cannot "
+            f"reach. {how} If the pods share this machine's network (kind or minikube with "
+            "hostNetwork), set KINETIC_ALLOW_LOOPBACK_API=true."
+        )
+    return str(url)
+
+
+# -- kinetic-prefect doctor ---------------------------------------------------------------

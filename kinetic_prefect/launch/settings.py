@@ -1,0 +1,272 @@
+"""Settings resolution: the one place where a launch's settings are decided.
+
+Precedence, highest first: a per-submission `resources(...)` override, the
+`KineticTaskRunner(...)` arguments, the `KineticCluster` block, `KINETIC_*`
+environment variables, then built-in defaults.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from kinetic_prefect.errors import ConfigurationError
+from kinetic_prefect.launch.pod_secrets import SecretValue, env_value
+
+BACKENDS = ("local", "gke")
+DEFAULT_IMAGE = "python:3.11-slim"
+
+
+@dataclass(frozen=True)
+class LaunchSettings:
+    """Everything a launch needs to know about where and how a pod runs."""
+
+    accelerator: str = "cpu"
+    # True, False, None (the accelerator's `:spot` suffix decides) or "fallback":
+    # spot for every attempt but the last, which runs on-demand.
+    spot: bool | str | None = None
+    # Relaunches after a preemption, eviction or node loss; they do not use `retries`.
+    preemption_retries: int = 3
+    # A pod whose runner stopped renewing its lease this long ago ends itself.
+    orphan_timeout_seconds: float = 300.0
+    backend: str = "local"
+    max_parallel: int | None = None
+    container_image: str | None = None
+    output_dir: str | None = None
+    output_root: str | None = None
+    jobs_root: str | None = None
+    # Plain values, or `SecretValue`s (Prefect Secret blocks) delivered as Secret refs.
+    env: Mapping[str, str | SecretValue] = field(default_factory=dict)
+    timeout_seconds: int | None = None
+    namespace: str = "default"
+    service_account: str | None = None
+    ttl_seconds_after_finished: int = 3600
+    cancel_grace_seconds: float = 10.0
+    pending_timeout_seconds: float = 600.0
+    # Pods on the gke backend reach the Prefect API by its URL; a loopback URL only works
+    # where pods share the host's network (kind/minikube with hostNetwork, tests).
+    allow_loopback_api: bool = False
+    # The kubeconfig context for the gke backend when no kube_config block is given.
+    kube_context: str | None = None
+    # A pod stays after its task and takes the next task run of the same pod spec
+    # (docs/warm-pods.md); an idle one ends after `warm_pod_idle_seconds`.
+    warm_pods: bool = False
+    warm_pod_idle_seconds: float = 60.0
+
+    def resolved_jobs_root(self) -> str:
+        """Where `kinetic/{job_id}/…` artifacts live: a `gs://bucket[/prefix]` or a local dir."""
+        if self.jobs_root:
+            return self.jobs_root
+        if self.backend == "local":
+            return str(Path.cwd() / ".kinetic")
+        raise ConfigurationError(
+            "The gke backend needs a jobs bucket: set `jobs_bucket` on the KineticCluster "
+            "block or KINETIC_JOBS_BUCKET=gs://your-bucket."
+        )
+
+    def resolved_image(self) -> str:
+        """The pod container image; the local backend runs this interpreter whatever it is."""
+        return self.container_image or DEFAULT_IMAGE
+
+    def resolved_output_root(self) -> str:
+        """The root under which each task gets `{flow_run_id}/{task_key}`."""
+        if self.output_root:
+            return self.output_root.rstrip("/")
+        return join_uri(self.resolved_jobs_root(), "outputs")
+
+
+SETTING_NAMES = tuple(f.name for f in dataclasses.fields(LaunchSettings))
+
+# KINETIC_* variables and how to read them; names follow the setting names.
+_ENV_PARSERS: dict[str, Any] = {
+    "accelerator": str,
+    "spot": lambda v: (
+        "fallback" if v.strip().lower() == "fallback" else _parse_bool("KINETIC_SPOT", v)
+    ),
+    "preemption_retries": int,
+    "orphan_timeout_seconds": float,
+    "backend": str,
+    "max_parallel": int,
+    "container_image": str,
+    "output_root": str,
+    "jobs_root": str,
+    "timeout_seconds": int,
+    "namespace": str,
+    "service_account": str,
+    "ttl_seconds_after_finished": int,
+    "cancel_grace_seconds": float,
+    "pending_timeout_seconds": float,
+    "allow_loopback_api": lambda v: _parse_bool("KINETIC_ALLOW_LOOPBACK_API", v),
+    "kube_context": str,
+    "warm_pods": lambda v: _parse_bool("KINETIC_WARM_PODS", v),
+    "warm_pod_idle_seconds": float,
+}
+ENV_ALIASES = {"jobs_root": ("KINETIC_JOBS_ROOT", "KINETIC_JOBS_BUCKET")}
+
+
+def _parse_bool(name: str, value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in {"1", "true", "yes", "on"}:
+        return True
+    if lowered in {"0", "false", "no", "off", ""}:
+        return False
+    raise ConfigurationError(f"{name}={value!r} is not a boolean; use true or false.")
+
+
+def env_variable_names(setting: str) -> tuple[str, ...]:
+    """The `KINETIC_*` variables that set `setting`, in order of precedence."""
+    return ENV_ALIASES.get(setting, (f"KINETIC_{setting.upper()}",))
+
+
+def settings_from_environ(environ: Mapping[str, str]) -> dict[str, Any]:
+    """Read the `KINETIC_*` variables that are set into setting values."""
+    found: dict[str, Any] = {}
+    for setting, parse in _ENV_PARSERS.items():
+        for name in env_variable_names(setting):
+            if name in environ and environ[name] != "":
+                try:
+                    found[setting] = parse(environ[name])
+                except ValueError as exc:
+                    raise ConfigurationError(f"{name}={environ[name]!r} is invalid: {exc}") from exc
+                break
+    return found
+
+
+_NO_OVERRIDES: Mapping[str, Any] = MappingProxyType({})
+_overrides: contextvars.ContextVar[Mapping[str, Any]] = contextvars.ContextVar(
+    "kinetic_prefect_resource_overrides", default=_NO_OVERRIDES
+)
+
+
+@contextlib.contextmanager
+def resources(**overrides: Any) -> Iterator[None]:
+    """Override runner settings for every submission made inside the block.
+
+    Example:
+        ```python
+        with resources(accelerator="l4", spot=True, timeout_seconds=3600):
+            futures = train.map(configs)
+        ```
+    """
+    _check_names(overrides, "resources()")
+    token = _overrides.set({**_overrides.get(), **overrides})
+    try:
+        yield
+    finally:
+        _overrides.reset(token)
+
+
+def current_overrides() -> dict[str, Any]:
+    """The `resources(...)` overrides active in this context."""
+    return dict(_overrides.get())
+
+
+def _check_names(values: Mapping[str, Any], where: str) -> None:
+    unknown = sorted(set(values) - set(SETTING_NAMES))
+    if unknown:
+        import difflib
+
+        close = {n: difflib.get_close_matches(n, SETTING_NAMES, n=1) for n in unknown}
+        hints = [f"{n} (did you mean {m[0]}?)" if m else n for n, m in close.items()]
+        raise ConfigurationError(
+            f"{where} got unknown setting(s) {', '.join(hints)}; "
+            f"valid settings are: {', '.join(SETTING_NAMES)}."
+        )
+
+
+def resolve_settings(
+    *,
+    runner: Mapping[str, Any] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    block: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> LaunchSettings:
+    """Merge every source of settings into one validated `LaunchSettings`.
+
+    `None` values never override: they mean "not set here".
+    """
+    layers = [
+        settings_from_environ(os.environ if environ is None else environ),
+        dict(block or {}),
+        dict(runner or {}),
+        dict(overrides or {}),
+    ]
+    merged: dict[str, Any] = {}
+    env: dict[str, str | SecretValue] = {}
+    for layer in layers:
+        _check_names(layer, "settings")
+        for key, value in layer.items():
+            if value is None:
+                continue
+            if key == "env":
+                env.update({str(k): env_value(str(k), v) for k, v in dict(value).items()})
+            else:
+                merged[key] = value
+    merged["env"] = env
+    settings = LaunchSettings(**merged)
+    _validate(settings)
+    return settings
+
+
+def _validate(settings: LaunchSettings) -> None:
+    if settings.backend not in BACKENDS:
+        raise ConfigurationError(
+            f"Unknown backend {settings.backend!r}; use one of {', '.join(BACKENDS)}."
+        )
+    if settings.spot not in (None, True, False, "fallback"):
+        raise ConfigurationError(
+            f"spot={settings.spot!r} is not valid: use True, False or 'fallback' (spot for every "
+            "attempt but the last, which runs on-demand)."
+        )
+    if settings.orphan_timeout_seconds <= 0:
+        raise ConfigurationError("orphan_timeout_seconds must be a positive number of seconds.")
+    if settings.preemption_retries < 0:
+        raise ConfigurationError("preemption_retries must be 0 or more.")
+    if settings.max_parallel is not None and settings.max_parallel < 1:
+        raise ConfigurationError("max_parallel must be at least 1.")
+    if settings.timeout_seconds is not None and settings.timeout_seconds < 1:
+        raise ConfigurationError("timeout_seconds must be a positive number of seconds.")
+    if settings.warm_pod_idle_seconds <= 0:
+        raise ConfigurationError(
+            "warm_pod_idle_seconds must be a positive number of seconds (how long an idle "
+            "warm pod waits for its next task run)."
+        )
+    _check_warm_idle(settings)
+    for key in settings.env:
+        if not key or "=" in key:
+            raise ConfigurationError(f"Invalid environment variable name {key!r} in env=.")
+
+
+def _check_warm_idle(settings: LaunchSettings) -> None:
+    from kinetic_prefect.common.handover import reuse_margin
+
+    # The gke backend's jobs store is always a gs:// bucket.
+    margin = reuse_margin(settings.jobs_root or ("gs://" if settings.backend == "gke" else ""))
+    if settings.warm_pods and settings.warm_pod_idle_seconds <= margin:
+        raise ConfigurationError(
+            f"warm_pod_idle_seconds={settings.warm_pod_idle_seconds:g} leaves no time to reuse a "
+            f"warm pod: a task goes only to a pod with over {margin:g}s of its idle time left "
+            f"on this jobs store. Use at least {2 * margin:g}, or warm_pods=False."
+        )
+
+
+def spot_request(spot: bool | str | None, *, last_attempt: bool = False) -> bool | None:
+    """The spot choice for one attempt: "fallback" means spot unless it is the last."""
+    if spot == "fallback":
+        return not last_attempt
+    return spot if isinstance(spot, bool) else None
+
+
+def join_uri(root: str, *parts: str) -> str:
+    """Join path parts onto a local path or a `gs://` URI."""
+    cleaned = [p.strip("/") for p in parts if p and p.strip("/")]
+    if not cleaned:
+        return root
+    return "/".join([root.rstrip("/"), *cleaned])

@@ -1,0 +1,1 @@
+"""What task code calls: `output_dir()`, `checkpoint_manager()`, progress reporting."""

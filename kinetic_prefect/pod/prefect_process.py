@@ -1,0 +1,76 @@
+"""What a pod process needs of Prefect beyond the task engine.
+
+Rereading Prefect's settings after the environment changed (a pod forked from
+the local template), sending queued logs and events without exiting (a warm
+pod between tasks), and the result record a persisted result travels as. Each
+leans on Prefect internals; the tests named in each docstring fail if they change.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+# How long a warm pod waits for a task's logs and events to reach the API.
+TELEMETRY_SECONDS = 30.0
+
+
+def send_logs_and_events(timeout: float) -> bool:
+    """Send the log lines and events this process has queued for the API; True if all went.
+
+    For a warm pod between tasks: its process does not exit, so Prefect's at-exit
+    drain of its log and event workers does not run, and a pod stopped while idle
+    would lose what the last task logged. `drain_all` is what Prefect's own exit
+    handlers call; the next task's first log line or event starts a new worker.
+    `test_task_logs_reach_the_api_before_the_flow_ends_its_warm_pods` fails if that changes.
+    """
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    deadline = time.monotonic() + timeout
+    sent = True
+    for worker in (APILogWorker, EventsWorker):  # logs first: events of the end come last
+        result = worker.drain_all(timeout=max(deadline - time.monotonic(), 0.0))
+        if isinstance(result, tuple):
+            sent = sent and not result[1]
+    return sent
+
+
+def reload_prefect_settings() -> None:
+    """Read Prefect's settings and logging configuration again from this process's environment.
+
+    For a process whose environment was replaced after `import prefect` (a pod
+    forked from the local backend's template). Prefect keeps the settings it
+    read at import in its global settings context; `refresh_global_settings_context`
+    is how Prefect itself rereads them after plugins set variables. The test
+    `test_a_forked_pod_reads_prefect_settings_from_its_own_environment` fails if that changes.
+    """
+    from prefect import context
+    from prefect.logging.configuration import setup_logging
+
+    context.refresh_global_settings_context()
+    setup_logging(incremental=False)
+
+
+def send_telemetry() -> bool:
+    """Before a warm pod reports a task's end: its logs and events, sent (the pod will not exit)."""
+    return send_logs_and_events(TELEMETRY_SECONDS)
+
+
+def shippable_state(state: Any, task: Any) -> Any:
+    """The state to send back: a persisted result travels as its metadata only.
+
+    The orchestrator then reads the value through Prefect's result store, like
+    any other Prefect process would, instead of through the pod's report.
+    """
+    from prefect._internal.result_records import ResultRecord
+
+    record = state.data
+    if (
+        isinstance(record, ResultRecord)
+        and state.is_completed()
+        and task.persist_result is True
+        and record.metadata.storage_block_id is not None
+    ):
+        return state.model_copy(update={"data": record.metadata})
+    return state

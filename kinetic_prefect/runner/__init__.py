@@ -1,0 +1,1 @@
+"""`KineticTaskRunner`: launcher, attempt ends, reattach, ownership, warm pods."""

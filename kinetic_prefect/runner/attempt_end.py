@@ -1,0 +1,127 @@
+"""How an attempt ended: the pod's own report, or what the backend saw of a silent pod.
+
+The pod leaves `final-state.json` (always, when it could) and, when the task
+ran, `final-state.pkl` with the Prefect state. A pod that left neither was
+killed, evicted, preempted or never started: its state is built here from the
+backend's `PodExit`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import cloudpickle
+from prefect.client.schemas.objects import StateType
+from prefect.states import Cancelled, Crashed, Failed, State, get_state_exception
+
+from kinetic_prefect.backends.base import PodExit
+from kinetic_prefect.common import layout
+from kinetic_prefect.common.records import (
+    FINAL_STATE_JSON,
+    FINAL_STATE_PICKLE,
+    STATUS_ALREADY_FINAL,
+    STATUS_PHASE_FAILED,
+    FinalRecord,
+)
+from kinetic_prefect.common.storage import JobsStore
+from kinetic_prefect.errors import (
+    PodCrashedError,
+    PodPhaseError,
+    PodStartError,
+    RemoteTraceback,
+    TamperedRecordError,
+)
+
+
+@dataclass(frozen=True)
+class AttemptEnd:
+    """The final state of one pod, and whether the pod's engine reported it to Prefect itself."""
+
+    state: State[Any]
+    reported_by_pod: bool
+    task_run: Any = None  # the pod's view of the task run (run count), when it reported
+
+
+def read_attempt_end(
+    store: JobsStore, job_id: str, outcome: PodExit, signing_key: str
+) -> AttemptEnd:
+    """The attempt's end from the job directory, or from `outcome` when the pod left no record.
+
+    The record must carry the signature made with this runner's `signing_key`, and
+    the pickle must match the digest the record names, before anything is unpickled:
+    whoever can write the jobs bucket must not be able to run code here.
+    """
+    prefix = layout.job_dir(job_id)
+    record_key = f"{prefix}/{FINAL_STATE_JSON}"
+    if not store.exists(record_key):
+        return AttemptEnd(state_without_record(job_id, outcome), reported_by_pod=False)
+    record = FinalRecord.from_json(store.get_bytes(record_key))
+    if not record.signed_by(signing_key):
+        return _tampered(job_id, f"{FINAL_STATE_JSON} does not carry this runner's signature")
+    if record.status == STATUS_PHASE_FAILED:
+        error = PodPhaseError(
+            record.message or f"Failed during {record.phase}",
+            phase=record.phase or "unknown",
+            job_id=job_id,
+            remote_traceback=record.traceback or "",
+        )
+        if record.traceback:
+            error.__cause__ = RemoteTraceback(record.traceback)
+        return AttemptEnd(Failed(message=str(error), data=error), reported_by_pod=False)
+    if record.status == STATUS_ALREADY_FINAL:
+        # The pod changed nothing: the task run stays as recorded, and the future says so.
+        state: State[Any] = State(
+            type=StateType(record.state_type or StateType.CANCELLED.value),
+            name=record.state_name,
+            message=f"Pod {job_id} found the task run already {record.state_name} and "
+            f"left it so: {record.message or ''}".rstrip(": "),
+        )
+        return AttemptEnd(state, reported_by_pod=True)
+    pickled = store.get_bytes(f"{prefix}/{FINAL_STATE_PICKLE}")
+    if hashlib.sha256(pickled).hexdigest() != record.pickle_sha256:
+        return _tampered(job_id, f"{FINAL_STATE_PICKLE} does not match the signed record's digest")
+    final = cloudpickle.loads(pickled)
+    state = final["state"]
+    if final.get("traceback"):
+        attach_remote_traceback(state, final["traceback"])
+    return AttemptEnd(state, reported_by_pod=True, task_run=final.get("task_run"))
+
+
+def _tampered(job_id: str, what: str) -> AttemptEnd:
+    message = (
+        f"The final-state record of pod {job_id} was altered after the pod wrote it ({what}); "
+        "it was not unpickled. Check who else can write to the jobs bucket, then rerun the task."
+    )
+    return AttemptEnd(Failed(message=message, data=TamperedRecordError(message)), False)
+
+
+def state_without_record(job_id: str, outcome: PodExit) -> State[Any]:
+    """The state of a pod that ended without a word: start failure, cancel or crash."""
+    if outcome.start_failure:
+        message = f"Pod {job_id} could not start: {outcome.start_failure}"
+        return Failed(message=message, data=PodStartError(message))
+    if outcome.cancelled:
+        return Cancelled(message=f"Pod {job_id} was cancelled.")
+    message = f"Pod {job_id} ended without reporting a final state: {outcome.describe()}."
+    if outcome.log_tail:
+        message += f" Last log lines:\n{outcome.log_tail}"
+    return Crashed(message=message, data=PodCrashedError(message))
+
+
+def exception_or_none(state: State[Any]) -> BaseException | None:
+    """The exception a failed or crashed state carries (read synchronously), else None."""
+    if not (state.is_failed() or state.is_crashed()):
+        return None
+    try:
+        # Callbacks run in the flow's context, which may be async: ask for the sync form.
+        return get_state_exception(state, _sync=True)  # type: ignore[call-arg,return-value]
+    except Exception:
+        return None
+
+
+def attach_remote_traceback(state: State[Any], text: str) -> None:
+    exc = exception_or_none(state)
+    if exc is not None and not isinstance(exc.__cause__, RemoteTraceback):
+        exc.__cause__ = RemoteTraceback(text)

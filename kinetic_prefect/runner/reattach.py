@@ -1,0 +1,217 @@
+"""A task whose pod outlived its flow process is reattached to, never launched twice.
+
+Every task pod carries the label `kinetic-prefect.io/task-identity`, a digest of
+its flow run id and task key (`identity.task_identity`), which is the same for
+every process that runs the flow run. When a flow run submits a task, its
+runner first asks the backend, once per flow run and namespace, for the flow
+run's pods that other processes launched (`Backend.find_pods`: one list request
+on Kubernetes, the `.kinetic/pods` records locally), and looks for the task's
+identity among them:
+
+- a live pod (pending, running, or ending in its SIGTERM grace) is adopted: the
+  runner renews the flow run's lease, waits for the pod's end and resolves the
+  new task run from its record. A Completed record gives the new task run that
+  state, with a message naming the pod; any other end launches a new pod, as the
+  retry, only now that the old one is gone;
+- a pod that ended with a Completed record gives its state the same way;
+- anything else (no pod, or one that failed, crashed or left no record) launches
+  normally, and the new pod resumes from the checkpoint in `KINETIC_OUTPUT_DIR`.
+
+Warm pods are not reattached to: after its first task a warm pod may be running
+any task run of its flow run, handed over by the process that is gone. A live
+warm pod found this way is stopped as a cancel would (SIGTERM, its grace, then
+SIGKILL; on Kubernetes its Job deleted), and no task of the flow run launches
+before it has ended; the tasks it ran resume from their checkpoints.
+
+So at no moment do two pods run for one task identity, whatever restarted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from prefect.logging import get_logger
+from prefect.states import Running, State
+
+from kinetic_prefect.backends.base import Backend, FoundPod, PodExit
+from kinetic_prefect.common.storage import JobsStore, open_store
+from kinetic_prefect.launch.identity import task_identity
+from kinetic_prefect.launch.manifest import LABEL_TASK_IDENTITY
+from kinetic_prefect.runner import prefect_engine as prefect_bridge
+from kinetic_prefect.runner.attempt_end import AttemptEnd, read_attempt_end
+from kinetic_prefect.runner.resources import RunnerResources
+
+if TYPE_CHECKING:
+    from kinetic_prefect.runner.task_launch import AttemptHooks, TaskLaunch
+
+logger = get_logger("kinetic_prefect.runner.reattach")
+
+
+def identity_labels(launch: TaskLaunch) -> dict[str, str]:
+    """The task-identity label of the launch's pods (none outside a flow run)."""
+    flow_run_id = launch.task_run.flow_run_id
+    if flow_run_id is None:
+        return {}
+    return {LABEL_TASK_IDENTITY: task_identity(str(flow_run_id), launch.task_key)}
+
+
+def reattached_state(state: State[Any], job_id: str) -> State[Any]:
+    """The Completed state of an earlier pod, as the new task run's own (a new state id)."""
+    fresh = state.fresh_copy()
+    fresh.message = (
+        f"Completed by pod {job_id}, launched for this flow run by an earlier flow process "
+        "and reattached to"
+    )
+    return fresh
+
+
+class Reattacher:
+    """Finds a submitted task's earlier pod and takes it over; see the module docstring."""
+
+    def __init__(self, resources: RunnerResources) -> None:
+        self._resources = resources
+        self._lock = threading.Lock()
+        self._found: dict[tuple[int, str, str], dict[str, list[FoundPod]]] = {}
+
+    def earlier_pods(
+        self, backend: Backend, flow_run_id: str, namespace: str, grace: float
+    ) -> dict[str, list[FoundPod]]:
+        """The flow run's pods launched by other processes, by task identity (asked for once).
+
+        Live warm pods among them are stopped, and waited for, first.
+        """
+        key = (id(backend), flow_run_id, namespace)
+        with self._lock:  # concurrent submissions wait for the one request
+            found = self._found.get(key)
+            if found is None:
+                pods = backend.find_pods(flow_run_id, namespace)
+                warm = [pod for pod in pods if pod.warm and pod.live]
+                if warm:
+                    _stop_and_wait(backend, namespace, warm, grace)
+                found = {}
+                for pod in pods:
+                    if pod.identity:
+                        ended = dataclasses.replace(pod, live=False) if pod in warm else pod
+                        found.setdefault(pod.identity, []).append(ended)
+                self._found[key] = found
+        return found
+
+    def attach(self, launcher: AttemptHooks, launch: TaskLaunch) -> bool:
+        """Take over the task's earlier pod, if it has one worth it; True if it was."""
+        labels = identity_labels(launch)
+        if not labels:
+            return False
+        settings = launch.settings
+        jobs_root = settings.resolved_jobs_root()
+        backend = self._resources.backend_for(settings, jobs_root)
+        earlier = self.earlier_pods(
+            backend,
+            str(launch.task_run.flow_run_id),
+            settings.namespace,
+            settings.cancel_grace_seconds,
+        )
+        pods = earlier.get(labels[LABEL_TASK_IDENTITY], [])
+        if not pods:
+            return False
+        launch.store = store = launch.store or open_store(jobs_root)
+        live = [pod for pod in pods if pod.live]
+        if live:
+            self._adopt(launcher, launch, backend, store, live[0])
+            return True
+        newest = pods[0]
+        end = self._read_end(launch, store, PodExit(newest.job_id, exit_code=None))
+        if not (end.reported_by_pod and end.state.is_completed()):
+            logger.info(
+                "Task run %s: the earlier pod %s did not complete (%s); launching a new one",
+                launch.task_run.name,
+                newest.job_id,
+                end.state.message,
+            )
+            return False
+        launch.job_ids[-1] = newest.job_id
+        launcher.conclude(launch, reattached_state(end.state, newest.job_id))
+        return True
+
+    def _adopt(
+        self,
+        launcher: AttemptHooks,
+        launch: TaskLaunch,
+        backend: Backend,
+        store: JobsStore,
+        pod: FoundPod,
+    ) -> None:
+        # From now on this process renews the flow run's lease, so the pod lives on.
+        self._resources.lease_env(launch, store)
+        with launch.lock:
+            if launch.cancelled:
+                return
+            launch.backend = backend
+            launch.job_ids[-1] = pod.job_id
+        logger.info(
+            "Task run %s: reattaching to pod %s, launched by an earlier flow process",
+            launch.task_run.name,
+            pod.job_id,
+        )
+        message = f"Reattached to pod {pod.job_id}, launched by an earlier flow process"
+        prefect_bridge.report_state(launch.task_run, Running(message=message))
+        backend.adopt(
+            pod.job_id,
+            launch.settings.namespace,
+            on_exit=lambda outcome: launch.in_context(self._on_exit, launcher, launch, outcome),
+            on_pending=lambda reason: launch.in_context(launcher.on_pod_pending, launch, reason),
+        )
+
+    def _on_exit(self, launcher: AttemptHooks, launch: TaskLaunch, outcome: PodExit) -> None:
+        """The adopted pod ended: its Completed state is the task run's, else a new pod runs."""
+        if launch.future.done() or launch.cancelled or outcome.cancelled:
+            return
+        assert launch.store is not None
+        end = self._read_end(launch, launch.store, outcome)
+        if end.reported_by_pod and end.state.is_completed():
+            launcher.conclude(launch, reattached_state(end.state, outcome.job_id))
+            return
+        note = (
+            f"The reattached pod {outcome.job_id} ended without completing "
+            f"({end.state.message}); launching a new pod"
+        )
+        launcher.schedule_relaunch(launch, note, delay=0.0)
+
+    def _read_end(self, launch: TaskLaunch, store: JobsStore, outcome: PodExit) -> AttemptEnd:
+        key = self._resources.signing_key(launch)
+        return read_attempt_end(store, outcome.job_id, outcome, key)
+
+
+# Beyond the pods' grace: how long deleting a Job and seeing its pod end may take.
+_STOP_SLACK_SECONDS = 60.0
+
+
+def _setter(event: threading.Event) -> Callable[[PodExit], None]:
+    def on_exit(outcome: PodExit) -> None:
+        event.set()
+
+    return on_exit
+
+
+def _stop_and_wait(backend: Backend, namespace: str, pods: list[FoundPod], grace: float) -> None:
+    """End warm pods of an earlier process and return once every one has ended."""
+    ended = {pod.job_id: threading.Event() for pod in pods}
+    for pod in pods:
+        logger.info(
+            "Stopping warm pod %s of an earlier flow process before launching (its tasks "
+            "resume from their checkpoints)",
+            pod.job_id,
+        )
+        backend.adopt(pod.job_id, namespace, on_exit=_setter(ended[pod.job_id]))
+        backend.cancel(pod.job_id)
+    deadline = time.monotonic() + grace + _STOP_SLACK_SECONDS
+    for job_id, event in ended.items():
+        if not event.wait(max(0.0, deadline - time.monotonic())):
+            raise RuntimeError(
+                f"The warm pod {job_id} of an earlier flow process did not end within "
+                f"{grace + _STOP_SLACK_SECONDS:.0f}s of being stopped; delete it "
+                f"(`kinetic-prefect jobs cancel {job_id}`) and retry the flow run."
+            )

@@ -1,0 +1,118 @@
+"""What a runner holds for all its task runs: backends, code archives, leases, hash caches, keys.
+
+Created with the runner (no I/O until first used) and closed when the flow
+leaves it: backends close (cancelling what still runs) and leases are released.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from prefect.logging import get_logger
+
+from kinetic_prefect.backends import create_backend
+from kinetic_prefect.backends.base import Backend
+from kinetic_prefect.common.env import FLOW_RUN_ID_ENV, LEASE_URI_ENV, ORPHAN_TIMEOUT_ENV
+from kinetic_prefect.common.layout import lease_key
+from kinetic_prefect.common.storage import JobsStore
+from kinetic_prefect.data import upload as data_upload
+from kinetic_prefect.launch.packaging import Artifact, build_context_zip, size_warning
+from kinetic_prefect.launch.settings import LaunchSettings
+from kinetic_prefect.runner import record_key
+from kinetic_prefect.runner.lease import Lease
+from kinetic_prefect.runner.warm_pods import WarmPods
+
+if TYPE_CHECKING:
+    from kinetic_prefect.runner.task_launch import TaskLaunch
+
+logger = get_logger("kinetic_prefect.runner.resources")
+
+
+class RunnerResources:
+    """Shared by every task run of one runner; see the module docstring."""
+
+    def __init__(self, cluster: Callable[[], Any], package_root: str | None) -> None:
+        self._cluster = cluster
+        self.package_root = package_root
+        self._lock = threading.Lock()
+        self._backends: dict[tuple[str, str], Backend] = {}
+        self._context_zips: dict[tuple[Path, tuple[str, ...]], Artifact] = {}
+        self._archive_lock = threading.Lock()
+        self._leases: dict[tuple[str, str], Lease] = {}
+        self.data_hashes = data_upload.LocalDataHashes()
+        self._master_key: str | None = None
+        self.warm_pods = WarmPods()
+
+    def backend_for(self, settings: LaunchSettings, jobs_root: str) -> Backend:
+        key = (settings.backend, jobs_root)
+        with self._lock:
+            backend = self._backends.get(key)
+            if backend is None:
+                backend = create_backend(settings, jobs_root, self._cluster())
+                self._backends[key] = backend
+            return backend
+
+    def context_zip(self, root: Path, exclude: tuple[Path, ...] = ()) -> Artifact:
+        # Local Data travels through the data cache, never inside the code archive.
+        excludes = tuple(
+            sorted(
+                p.resolve().relative_to(root).as_posix()
+                for p in exclude
+                if p.resolve().is_relative_to(root)
+            )
+        )
+        with self._archive_lock:  # one build per archive, however many launches arrive
+            cached = self._context_zips.get((root, excludes))
+            if cached is None:
+                cached = build_context_zip(root, excludes)
+                warning = size_warning(f"The code archive of {root}", cached)
+                if warning:
+                    logger.warning(warning)
+                self._context_zips[(root, excludes)] = cached
+        return cached
+
+    def signing_key(self, launch: TaskLaunch) -> str:
+        """The key of the flow run's final-state records; reaches pods only through their Secret.
+
+        Derived from the persistent master key (`kinetic_prefect.runner.record_key`), so a
+        restarted flow process verifies the records of pods launched before it.
+        """
+        with self._lock:
+            if self._master_key is None:
+                self._master_key = record_key.master_key()
+            master = self._master_key
+        return record_key.flow_run_key(master, str(launch.task_run.flow_run_id or "no-flow-run"))
+
+    def lease_env(self, launch: TaskLaunch, store: JobsStore) -> dict[str, str]:
+        """What a pod needs to tell whether its flow run still has an owner (renewing it)."""
+        flow_run_id = str(launch.task_run.flow_run_id or "no-flow-run")
+        timeout = launch.settings.orphan_timeout_seconds
+        with self._lock:
+            lease = self._leases.get((store.uri(""), flow_run_id))
+            if lease is None:
+                lease = Lease(store, lease_key(flow_run_id), timeout)
+                self._leases[(store.uri(""), flow_run_id)] = lease
+        env = {LEASE_URI_ENV: lease.uri, ORPHAN_TIMEOUT_ENV: str(timeout)}
+        if launch.task_run.flow_run_id:
+            env[FLOW_RUN_ID_ENV] = str(launch.task_run.flow_run_id)
+        return env
+
+    def close(self) -> None:
+        self.warm_pods.close()
+        with self._lock:
+            backends = list(self._backends.values())
+            self._backends.clear()
+            leases = list(self._leases.values())
+            self._leases.clear()
+        for backend in backends:
+            backend.close()
+        for lease in leases:
+            lease.release()
+
+    @property
+    def launch_count(self) -> int:
+        with self._lock:
+            return sum(b.launch_count for b in self._backends.values())

@@ -1,0 +1,574 @@
+"""Warm pods, the runner's side: which pod takes which task run, and how it is told.
+
+With `warm_pods=True` a pod stays after its task for `warm_pod_idle_seconds`
+and takes the next task run whose pod would be the same (`spec_key`: accelerator,
+image, env and Secret refs, volumes, namespace, service account, code archive,
+timeout, backend and jobs root). The first task of a pod travels in the Job's
+arguments as with a cold pod; every later one as `assign-{n}.json` in the pod's
+warm dir in the jobs store (`common.handover` has the records, `pod.warm` the pod's side).
+
+`spec_key` decides sharing: two attempts whose Job would be the same but for the
+task's own identity (job id, task run, payload, output dir, attempt number) can
+run one after the other in one pod.
+
+The runner learns that a task ended from its final record in its own
+`kinetic/{job_id}/` dir (polled while the pod is busy), or from the pod's exit.
+A pod that exits with a task it never accepted (it idled out just as the task
+was handed to it) gives the task back: it is placed again, on a fresh pod if need
+be, without touching the retry budget. Any other exit is the task's, exactly as
+for a cold pod. `max_parallel` counts warm pods, idle or not: a task that finds
+every slot taken and an idle pod of another spec retires that pod.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from prefect.logging import get_logger
+
+from kinetic_prefect.backends.base import Backend, PodExit
+from kinetic_prefect.common import handover as warm
+from kinetic_prefect.common import layout
+from kinetic_prefect.common.env import ATTEMPT_ENV, TASK_RUN_ID_ENV, WARM_DIR_ENV, WARM_IDLE_ENV
+from kinetic_prefect.common.layout import WARM_POD_JSON
+from kinetic_prefect.common.records import FINAL_STATE_JSON, STATUS_PHASE_FAILED, FinalRecord
+from kinetic_prefect.common.storage import JobsStore
+from kinetic_prefect.launch.manifest import (
+    LABEL_TASK_IDENTITY,
+    LABEL_WARM,
+    LaunchSpec,
+    build_job_manifest,
+    container_of,
+)
+from kinetic_prefect.launch.pod_secrets import PodSecrets
+from kinetic_prefect.launch.slices import build_workload
+
+if TYPE_CHECKING:
+    from kinetic_prefect.runner.task_launch import AttemptHooks, TaskLaunch
+
+logger = get_logger("kinetic_prefect.runner.warm_pods")
+
+# Env that differs between task runs of one pod spec (the rest of the per-task env,
+# job id and output dir, comes from LaunchSpec fields blanked in `spec_key`).
+_PER_TASK_ENV = (ATTEMPT_ENV,)
+
+OnEnd = Callable[["TaskLaunch", PodExit], None]
+OnPending = Callable[["TaskLaunch", str], None]
+
+
+def warm_placement(
+    launch: TaskLaunch,
+    spec: LaunchSpec,
+    backend: Backend,
+    store: JobsStore,
+    secrets: PodSecrets,
+    launcher: AttemptHooks,
+) -> Placement:
+    """The launcher's attempt as a placement for a warm pod."""
+    settings = launch.settings
+    return Placement(
+        launch=launch,
+        spec=spec,
+        key=spec_key(spec, store.uri(""), settings.backend),
+        backend=backend,
+        store=store,
+        secrets=secrets,
+        idle_seconds=settings.warm_pod_idle_seconds,
+        on_end=launcher.on_pod_exit,
+        on_pending=launcher.on_pod_pending,
+    )
+
+
+def spec_key(spec: LaunchSpec, jobs_root: str, backend: str) -> str:
+    """What must be equal for two task runs to share a pod."""
+    generic = dataclasses.replace(
+        spec,
+        job_id="warm",
+        task_name="warm",
+        task_run_id=None,
+        output_dir="",
+        payload_uri="",
+        payload_sha256="",
+        job_dir_uri="",
+        env={k: v for k, v in spec.env.items() if k not in _PER_TASK_ENV},
+        extra_labels={k: v for k, v in spec.extra_labels.items() if k != LABEL_TASK_IDENTITY},
+    )
+    return json.dumps([backend, jobs_root, build_job_manifest(generic)], sort_keys=True)
+
+
+@dataclass
+class Placement:
+    """A task run's attempt waiting for (or given to) a warm pod."""
+
+    launch: TaskLaunch
+    spec: LaunchSpec
+    key: str
+    backend: Backend
+    store: JobsStore
+    secrets: PodSecrets
+    idle_seconds: float
+    on_end: OnEnd
+    on_pending: OnPending
+
+
+@dataclass
+class WarmPod:
+    pod_id: str
+    key: str
+    backend: Backend
+    store: JobsStore
+    idle_seconds: float
+    manifest: dict[str, Any] = field(default_factory=dict)
+    placement: Placement | None = None  # the task it runs now
+    sequence: int = 0  # assignments written so far
+    current: int = 0  # the running task's assignment (0: the Job's own first task)
+    deadline: float | None = None
+    deadline_hit: bool = False
+    # Writing a task's assignment failed: the pod is being ended; if it took the task
+    # anyway, the task is retried as a pod the infrastructure took away, not cancelled.
+    handover_failed: bool = False
+    idle_since: float | None = None
+    retiring: bool = False  # will end: takes no task
+    ended: bool = False
+
+    busy_since: float = 0.0
+    next_check: float = 0.0
+
+    def check_interval(self, now: float) -> float:
+        """How soon to look for the running task's end again: promptly at first, then
+        less often as a long task goes on (at most ten times the store's pace)."""
+        base = warm.poll_seconds(self.store.uri(""))
+        interval = min(10 * base, base * (1 + (now - self.busy_since) / 30))
+        if self.deadline is not None and not self.deadline_hit:
+            interval = min(interval, max(self.deadline - now, 0.0))
+        return interval
+
+    @property
+    def warm_dir(self) -> str:
+        return layout.warm_dir(self.pod_id)
+
+    def usable_for(self, key: str, now: float) -> bool:
+        """Idle, of this spec, and not about to idle out."""
+        if self.placement is not None or self.retiring or self.ended or self.key != key:
+            return False
+        margin = warm.reuse_margin(self.store.uri(""))
+        return self.idle_since is not None and now - self.idle_since < self.idle_seconds - margin
+
+
+def capacity(backend: Backend) -> int | None:
+    limit = getattr(backend, "max_parallel", None)
+    return int(limit) if limit else None
+
+
+def pod_env(pod: WarmPod, placement: Placement) -> dict[str, str]:
+    """The plain env of `placement`'s task in `pod`: its own, plus where the pod's work comes."""
+    return {
+        **placement.spec.env,
+        WARM_DIR_ENV: pod.store.uri(pod.warm_dir),
+        WARM_IDLE_ENV: f"{placement.idle_seconds:g}",
+        TASK_RUN_ID_ENV: placement.spec.task_run_id or "",
+    }
+
+
+def task_assignment(pod: WarmPod, placement: Placement) -> warm.Assignment:
+    """What `pod` needs to run `placement`'s task: its pod arguments and its whole plain env."""
+    spec = dataclasses.replace(placement.spec, env=pod_env(pod, placement))
+    env = {
+        item["name"]: item["value"]
+        for item in container_of(build_job_manifest(spec))["env"]
+        if "value" in item
+    }
+    return warm.Assignment(
+        job_id=spec.job_id,
+        task_run_id=spec.task_run_id or "",
+        job_dir=spec.job_dir_uri,
+        payload=spec.payload_uri,
+        payload_sha256=spec.payload_sha256,
+        context=spec.context_uri,
+        context_sha256=spec.context_sha256,
+        env=env,
+    )
+
+
+def took_task(pod: WarmPod, sequence: int) -> bool:
+    """Whether the pod accepted its `sequence`-th task; if the store cannot tell, it did."""
+    try:
+        return pod.store.exists(f"{pod.warm_dir}/{warm.accepted_name(sequence)}")
+    except Exception:
+        logger.warning(
+            "Could not tell whether warm pod %s took its task; its end counts as the task's",
+            pod.pod_id,
+            exc_info=True,
+        )
+        return True
+
+
+def task_exit(
+    outcome: PodExit, launch: TaskLaunch, *, deadline_hit: bool, handover_failed: bool
+) -> PodExit:
+    """How the task on a warm pod ended, from how the pod ended."""
+    ended = dataclasses.replace(outcome, job_id=launch.job_id)
+    if deadline_hit:
+        return dataclasses.replace(
+            ended, reason="DeadlineExceeded", cancelled=False, preempted=False
+        )
+    if handover_failed and not launch.cancelled:
+        # The runner ended the pod after a failed write; the task is retried on its
+        # preemption budget, as for a pod the infrastructure took away.
+        return dataclasses.replace(
+            ended,
+            reason="the jobs store failed while the task was handed to a warm pod",
+            cancelled=False,
+            preempted=True,
+        )
+    return ended
+
+
+@dataclass
+class _Actions:
+    """What `_schedule` decided under the lock, done after it is released."""
+
+    hand: list[tuple[WarmPod, Placement]] = field(default_factory=list)
+    start: list[tuple[WarmPod, Placement]] = field(default_factory=list)
+    retire: list[WarmPod] = field(default_factory=list)
+
+
+class WarmPods:
+    """Every warm pod of one runner, and the task runs waiting for one."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pods: list[WarmPod] = []
+        self._waiting: collections.deque[Placement] = collections.deque()
+        self._wake = threading.Event()
+        self._poller: threading.Thread | None = None
+        self._closed = False
+
+    # -- the launcher's hooks -----------------------------------------------------
+
+    def take(
+        self,
+        launch: TaskLaunch,
+        spec: LaunchSpec,
+        backend: Backend,
+        store: JobsStore,
+        secrets: PodSecrets,
+        launcher: AttemptHooks,
+    ) -> bool:
+        """Place the attempt on a warm pod if it is one for a warm pod; else make room for it.
+
+        Multi-host slices are never warm: they launch cold.
+        """
+        if launch.settings.warm_pods and spec.accelerator.hosts == 1:
+            self.place(warm_placement(launch, spec, backend, store, secrets, launcher))
+            return True
+        self.make_room(backend)
+        return False
+
+    def place(self, placement: Placement) -> None:
+        """Run the attempt on an idle pod of its spec, a new pod, or as soon as one is free."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("The runner is closed; submit inside the flow run.")
+            self._waiting.append(placement)
+        self._schedule()
+
+    def cancel(self, launch: TaskLaunch) -> bool:
+        """End the pod running `launch` (or drop it from the queue); False if none has it."""
+        with self._lock:
+            for placement in self._waiting:
+                if placement.launch is launch:
+                    self._waiting.remove(placement)
+                    return True
+            pod = self._pod_running(launch)
+            if pod is None:
+                return False
+            pod.retiring = True
+        pod.backend.cancel(pod.pod_id)
+        return True
+
+    def make_room(self, backend: Backend) -> None:
+        """Before a cold pod: retire an idle warm pod if they fill every slot."""
+        with self._lock:
+            victim = self._retirable(backend) if not self._has_room(backend) else None
+            if victim is not None:
+                victim.retiring = True
+        if victim is not None:
+            self._retire(victim)
+
+    def close(self) -> None:
+        """Stop handing out work; the backends end the pods when they close."""
+        with self._lock:
+            self._closed = True
+            self._waiting.clear()
+        self._wake.set()
+
+    def pods(self) -> list[str]:
+        """The ids of the warm pods alive now (for tooling and tests)."""
+        with self._lock:
+            return [pod.pod_id for pod in self._pods]
+
+    # -- deciding -----------------------------------------------------------------------
+
+    def _pod_running(self, launch: TaskLaunch) -> WarmPod | None:
+        return next(
+            (p for p in self._pods if p.placement is not None and p.placement.launch is launch),
+            None,
+        )
+
+    def _live_on(self, backend: Backend) -> int:
+        return sum(1 for p in self._pods if p.backend is backend and not p.ended)
+
+    def _has_room(self, backend: Backend) -> bool:
+        limit = capacity(backend)
+        return limit is None or self._live_on(backend) < limit
+
+    def _retirable(self, backend: Backend) -> WarmPod | None:
+        idle = [
+            p
+            for p in self._pods
+            if p.backend is backend and p.placement is None and not p.retiring and not p.ended
+        ]
+        return min(idle, key=lambda p: p.idle_since or 0.0) if idle else None
+
+    def _schedule(self) -> None:
+        actions = _Actions()
+        now = time.monotonic()
+        with self._lock:
+            # Idle pods go to waiting task runs of their own spec first, whatever the order.
+            for placement in list(self._waiting):
+                if placement.launch.cancelled or placement.launch.future.done():
+                    self._waiting.remove(placement)
+                    continue
+                pod = next((p for p in self._pods if p.usable_for(placement.key, now)), None)
+                if pod is not None:
+                    self._waiting.remove(placement)
+                    pod.sequence += 1
+                    pod.current = pod.sequence
+                    pod.idle_since = None
+                    self._busy(pod, placement, now)
+                    actions.hand.append((pod, placement))
+            # Then a new pod where there is room, or in place of an idle pod nobody wants.
+            for placement in list(self._waiting):
+                if not self._has_room(placement.backend):
+                    victim = self._retirable(placement.backend)
+                    if victim is None:
+                        continue  # wait for a pod of this backend to free up
+                    victim.retiring = True
+                    actions.retire.append(victim)
+                self._waiting.remove(placement)
+                pod = WarmPod(
+                    pod_id=placement.launch.job_id,
+                    key=placement.key,
+                    backend=placement.backend,
+                    store=placement.store,
+                    idle_seconds=placement.idle_seconds,
+                )
+                self._pods.append(pod)
+                self._busy(pod, placement, now)
+                actions.start.append((pod, placement))
+        for victim in actions.retire:
+            self._retire(victim)
+        for pod, placement in actions.start:
+            self._start(pod, placement)
+        for pod, placement in actions.hand:
+            self._hand(pod, placement)
+
+    def _busy(self, pod: WarmPod, placement: Placement, now: float) -> None:
+        pod.placement = placement
+        pod.busy_since = pod.next_check = now
+        timeout = placement.spec.timeout_seconds
+        pod.deadline = now + timeout if timeout else None
+
+    # -- acting ------------------------------------------------------------------------
+
+    def _claim(self, placement: Placement, manifest: dict[str, Any]) -> bool:
+        """Count the attempt on the launch unless it was cancelled meanwhile."""
+        launch = placement.launch
+        with launch.lock:
+            if launch.cancelled:
+                return False
+            launch.backend = placement.backend
+            launch.manifest = manifest
+            launch.pods_launched += 1
+        return True
+
+    def _start(self, pod: WarmPod, placement: Placement) -> None:
+        # No activeDeadlineSeconds: the deadline is each task's, enforced here.
+        spec = dataclasses.replace(
+            placement.spec,
+            env=pod_env(pod, placement),
+            timeout_seconds=None,
+            extra_labels={**placement.spec.extra_labels, LABEL_WARM: "true"},
+        )
+        workload = build_workload(spec)
+        launch = placement.launch
+        if not self._claim(placement, workload.job):
+            self._forget(pod)
+            return
+
+        pod.manifest = workload.job
+
+        def on_pending(reason: str) -> None:
+            current = pod.placement
+            if current is not None:
+                current.launch.in_context(current.on_pending, current.launch, reason)
+
+        try:
+            placement.backend.launch(
+                workload.job,
+                on_exit=lambda outcome: self._pod_exited(pod, outcome),
+                secrets=placement.secrets.contents(),
+                on_pending=on_pending,
+                extra_objects=workload.extra_objects,
+            )
+        except Exception as exc:
+            logger.warning("Could not launch warm pod %s", pod.pod_id, exc_info=True)
+            self._forget(pod)
+            failed = PodExit(launch.job_id, None, start_failure=f"could not launch it: {exc}")
+            launch.in_context(placement.on_end, launch, failed)
+            self._schedule()
+            return
+        self._watch()
+
+    def _hand(self, pod: WarmPod, placement: Placement) -> None:
+        launch = placement.launch
+        assignment = task_assignment(pod, placement)
+        if not self._claim(placement, pod.manifest):
+            with self._lock:
+                pod.sequence -= 1  # nothing was written for it
+            self._free(pod)
+            return
+        try:
+            pod.store.put_bytes(
+                layout.job_file(launch.job_id, WARM_POD_JSON),
+                json.dumps({"pod": pod.pod_id, "sequence": pod.current}).encode(),
+            )
+            pod.store.put_bytes(
+                f"{pod.warm_dir}/{warm.assignment_name(pod.current)}", assignment.to_json()
+            )
+        except Exception:
+            # The pod may never see it: end the pod, and its exit gives the task back.
+            logger.warning("Could not hand %s to warm pod %s", launch.job_id, pod.pod_id)
+            with self._lock:
+                pod.retiring = pod.handover_failed = True
+            pod.backend.cancel(pod.pod_id)
+            return
+        logger.debug("Task run %s went to warm pod %s", launch.task_run.name, pod.pod_id)
+        self._watch()
+
+    def _retire(self, pod: WarmPod) -> None:
+        logger.debug("Retiring idle warm pod %s to make room", pod.pod_id)
+        pod.backend.cancel(pod.pod_id)
+
+    def _free(self, pod: WarmPod) -> None:
+        with self._lock:
+            pod.placement = None
+            pod.idle_since = time.monotonic()
+        self._schedule()
+
+    def _forget(self, pod: WarmPod) -> None:
+        with self._lock:
+            pod.ended = True
+            if pod in self._pods:
+                self._pods.remove(pod)
+
+    # -- how tasks and pods end ------------------------------------------------------
+
+    def _pod_exited(self, pod: WarmPod, outcome: PodExit) -> None:
+        with self._lock:
+            placement, sequence, deadline_hit = pod.placement, pod.current, pod.deadline_hit
+            handover_failed = pod.handover_failed
+            pod.placement = None
+        self._forget(pod)
+        if placement is not None:
+            launch = placement.launch
+            accepted = sequence == 0 or took_task(pod, sequence)
+            if not accepted and not launch.cancelled:
+                logger.info(
+                    "Warm pod %s ended before taking %s; placing it again",
+                    pod.pod_id,
+                    launch.job_id,
+                )
+                with launch.lock:
+                    launch.pods_launched -= 1
+                with self._lock:
+                    if not self._closed:
+                        self._waiting.appendleft(placement)
+            else:
+                ended = task_exit(
+                    outcome, launch, deadline_hit=deadline_hit, handover_failed=handover_failed
+                )
+                launch.in_context(placement.on_end, launch, ended)
+        self._schedule()
+
+    def _task_ended(self, pod: WarmPod, placement: Placement) -> None:
+        """The task's final record is there: resolve it; the pod idles unless it ends."""
+        launch = placement.launch
+        try:
+            record = FinalRecord.from_json(
+                pod.store.get_bytes(layout.job_file(launch.job_id, FINAL_STATE_JSON))
+            )
+            stays = record.status != STATUS_PHASE_FAILED and record.state_type != "CRASHED"
+        except Exception:
+            stays = False
+        with self._lock:
+            if pod.placement is not placement:
+                return  # the pod's exit got there first
+            pod.placement = None
+            if stays and not pod.retiring:
+                pod.idle_since = time.monotonic()
+            else:
+                pod.retiring = True  # the pod ends itself after such a task
+        launch.in_context(placement.on_end, launch, PodExit(launch.job_id, 0))
+        self._schedule()
+
+    # -- the poller: task ends and deadlines of busy pods ----------------------------------
+
+    def _watch(self) -> None:
+        with self._lock:
+            if self._poller is None or not self._poller.is_alive():
+                self._poller = threading.Thread(
+                    target=self._poll, name="kinetic-warm-pods", daemon=True
+                )
+                self._poller.start()
+        self._wake.set()
+
+    def _poll(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+                busy = [(p, p.placement) for p in self._pods if p.placement is not None]
+            if not busy:
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            now = time.monotonic()
+            for pod, placement in busy:
+                assert placement is not None
+                if pod.next_check > now:
+                    continue
+                pod.next_check = now + pod.check_interval(now)
+                job_id = placement.launch.job_id
+                try:
+                    done = pod.store.exists(layout.job_file(job_id, FINAL_STATE_JSON))
+                except Exception:
+                    logger.debug("Could not look for the end of %s", job_id, exc_info=True)
+                    continue
+                if done:
+                    self._task_ended(pod, placement)
+                elif pod.deadline is not None and now >= pod.deadline and not pod.deadline_hit:
+                    with self._lock:
+                        pod.deadline_hit = pod.retiring = True
+                    pod.backend.cancel(pod.pod_id)
+            soonest = min(p.next_check for p, _ in busy)
+            self._wake.wait(max(soonest - time.monotonic(), 0.0))
+            self._wake.clear()

@@ -1,0 +1,1 @@
+"""Timing-bound scale tests: run last, alone (tests/support/scheduling.py)."""

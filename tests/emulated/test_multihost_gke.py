@@ -1,0 +1,102 @@
+"""Multi-host TPU slices on the gke backend: kmock, and a test kubelet with a process per host."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+from prefect import flow, task
+
+from tests.emulated.test_kubernetes_backend import PENDING_TIMEOUT, _failed_run, _runner
+from tests.runner.test_multihost import CPU_JAX, gather_host_indices_and_pids
+from tests.support.kube_objects import Node
+from tests.support.waiting import wait_until
+
+pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
+
+V5E_16 = {
+    "cloud.google.com/gke-tpu-accelerator": "tpu-v5-lite-podslice",
+    "cloud.google.com/gke-tpu-topology": "4x4",
+}
+
+
+def _tpu_nodes(count: int) -> list[Node]:
+    return [Node(f"tpu-{i}", dict(V5E_16), {"google.com/tpu": 4}) for i in range(count)]
+
+
+@task
+def mark_then_wait(marks: str, gate: str) -> None:
+    import jax
+
+    Path(marks, str(jax.process_index())).write_text("running")
+    pause = threading.Event()
+    while not Path(gate).exists():
+        pause.wait(0.05)
+
+
+@pytest.mark.slow
+def test_a_slice_is_created_in_the_documented_shape_and_runs_as_four_host_processes(gke, cluster):
+    cluster.kubelet.nodes = _tpu_nodes(4)
+
+    @flow(task_runner=_runner(gke, accelerator="tpu-v5e-16", env=CPU_JAX))
+    def run() -> dict[str, object]:
+        return gather_host_indices_and_pids.submit().result()
+
+    result = run()
+
+    (job,) = cluster.created_jobs()
+    (service,) = cluster.created("services")
+    pod = job["spec"]["template"]["spec"]
+    assert (result["total"], result["processes"], len(set(result["pids"]))) == (6, 4, 4)  # type: ignore[arg-type]
+    assert (job["spec"]["completions"], job["spec"]["parallelism"]) == (4, 4)
+    assert job["spec"]["completionMode"] == "Indexed"
+    assert pod["subdomain"] == service["metadata"]["name"] == job["metadata"]["name"]
+    assert pod["nodeSelector"] == V5E_16
+    assert pod["containers"][0]["resources"]["limits"] == {"google.com/tpu": "4"}
+    assert {"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
+        "tolerations"
+    ]
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["metadata"]["ownerReferences"][0]["name"] == job["metadata"]["name"]
+    kubernetes_validate.validate(service, kubernetes_validate.latest_version(), strict=True)
+    wait_until(lambda: cluster.services() == [], 30, "the slice's Service to be deleted")
+
+
+@pytest.mark.slow
+def test_leaving_a_running_slice_deletes_its_job_pods_and_service(gke, cluster, workdir):
+    cluster.kubelet.nodes = _tpu_nodes(4)
+    marks = workdir / "marks"
+    marks.mkdir()
+
+    @flow(task_runner=_runner(gke, accelerator="tpu-v5e-16", env=CPU_JAX))
+    def leave_it_running() -> None:
+        mark_then_wait.submit(str(marks), str(workdir / "never"))
+        wait_until(lambda: len(list(marks.iterdir())) == 4, 120, "all 4 hosts to run")
+
+    leave_it_running()
+
+    assert (len(cluster.created_jobs()), len(cluster.created("services"))) == (1, 1)
+    wait_until(
+        lambda: cluster.jobs() == [] and cluster.pods() == [] and cluster.services() == [],
+        30,
+        "the slice's Job, pods and Service to be deleted",
+    )
+
+
+def test_a_slice_without_enough_tpu_nodes_fails_naming_its_size_and_topology(gke, cluster):
+    cluster.kubelet.nodes = [*_tpu_nodes(2), Node("cpu-1")]
+    runner = _runner(
+        gke, accelerator="tpu-v5e-16", env=CPU_JAX, pending_timeout_seconds=PENDING_TIMEOUT
+    )
+
+    started = time.monotonic()
+    state, message, _ = _failed_run(runner)
+
+    assert state == "FAILED"
+    assert "2 Insufficient google.com/tpu" in message
+    assert "the 4-host slice tpu-v5e-16 (topology 4x4) needs 4 nodes" in message
+    assert time.monotonic() - started < PENDING_TIMEOUT + 15
+    wait_until(lambda: cluster.jobs() == [] and cluster.services() == [], 30, "all deleted")

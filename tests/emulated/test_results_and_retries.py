@@ -1,0 +1,310 @@
+"""Results in GCS result storage, checkpointed retries that resume, cache hits without pods.
+
+Pods import this module to run its tasks: the block classes (prefect-gcp,
+prefect-kubernetes, seconds of imports) are imported only in the tests that use them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from prefect import flow, get_client, task
+from prefect.cache_policies import INPUTS
+from prefect.filesystems import LocalFileSystem
+from prefect.runtime import task_run
+
+from kinetic_prefect import KineticTaskRunner
+from kinetic_prefect.cli.jobs_store import cleanup_jobs
+from kinetic_prefect.errors import ConfigurationError
+from kinetic_prefect.outputs.checkpoint import checkpoint_manager, output_dir
+from tests.support.clusters import gcs_cluster
+from tests.support.waiting import wait_for_task_run_state
+
+pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
+
+
+@task
+def cube(x: int) -> int:
+    return x**3
+
+
+@task(retries=1)
+def train_to_ten(interrupt: str) -> dict[str, object]:
+    """Counts to 10 with a checkpoint per step; the first attempt is interrupted at step 6."""
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+
+    manager = checkpoint_manager(max_to_keep=2)
+    latest = manager.latest_step()
+    template = {"count": jnp.zeros(())}
+    state = (
+        template
+        if latest is None
+        else manager.restore(latest, args=ocp.args.StandardRestore(template))
+    )
+    start = 0 if latest is None else latest + 1
+    for step in range(start, 10):
+        state = {"count": state["count"] + 1}
+        manager.save(step, args=ocp.args.StandardSave(state))
+        manager.wait_until_finished()
+        if step == 6 and task_run.run_count == 1:
+            if interrupt == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError("interrupted at step 6")
+    return {"start": start, "count": float(state["count"]), "output_dir": output_dir()}
+
+
+@task(retries=1)
+def note_attempt_then_fail_once() -> str:
+    Path(output_dir(), f"attempt-{task_run.run_count}").write_text(output_dir())
+    if task_run.run_count == 1:
+        raise RuntimeError("first attempt fails")
+    return output_dir()
+
+
+@task(cache_policy=INPUTS, persist_result=True)
+def cached_square(x: int) -> int:
+    return x * x
+
+
+def _runner(storage: str, request: pytest.FixtureRequest, **options: object) -> KineticTaskRunner:
+    if storage == "local":
+        return KineticTaskRunner(**options)
+    gcs = request.getfixturevalue("gcs")
+    return KineticTaskRunner(cluster=gcs_cluster(gcs, f"c-{os.urandom(4).hex()}"), **options)
+
+
+def _state_history(task_run_id: object) -> list[tuple[str, str]]:
+    """(type, name) of every state the API recorded for the task run, oldest first."""
+    with get_client(sync_client=True) as client:
+        states = client.read_task_run_states(task_run_id)  # type: ignore[arg-type]
+    return [(s.type.value, s.name or "") for s in sorted(states, key=lambda s: s.timestamp)]
+
+
+READER = """
+import json, sys
+from prefect import get_client
+with get_client(sync_client=True) as client:
+    values = [client.read_task_run(run_id).state.result() for run_id in sys.argv[1:]]
+print(json.dumps(values))
+"""
+
+
+@pytest.mark.slow
+def test_results_are_prefect_records_in_the_bucket_readable_by_a_plain_prefect_process(
+    gcs, prefect_api
+):
+    runner = KineticTaskRunner(cluster=gcs_cluster(gcs, "results-e2e"))
+
+    @flow(task_runner=runner)
+    def cubes() -> list[str]:
+        futures = cube.map([1, 2, 3])
+        futures.wait()
+        return [str(f.task_run_id) for f in futures]
+
+    task_run_ids = cubes()
+    for task_run_id in task_run_ids:
+        wait_for_task_run_state(task_run_id, "COMPLETED")
+    reader = subprocess.run(
+        [sys.executable, "-c", READER, *task_run_ids],
+        env={**os.environ, "PREFECT_API_URL": prefect_api},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+    assert reader.returncode == 0, reader.stderr
+    assert json.loads(reader.stdout.splitlines()[-1]) == [1, 8, 27]
+    assert len(gcs.names("results/")) >= 3
+
+
+@pytest.mark.parametrize("storage", ["local", "gcs"])
+@pytest.mark.parametrize(
+    ("interrupt", "retry_state"), [("kill", "AwaitingRetry"), ("raise", "Retrying")]
+)
+@pytest.mark.slow
+def test_interrupted_training_resumes_from_its_last_checkpoint_with_no_terminal_state_before(
+    storage, interrupt, retry_state, request
+):
+    @flow(task_runner=_runner(storage, request))
+    def train() -> tuple[dict[str, object], object]:
+        future = train_to_ten.submit(interrupt)
+        return future.result(), future.task_run_id
+
+    result, task_run_id = train()
+
+    assert result["start"] >= 5
+    assert result["count"] == 10.0
+    wait_for_task_run_state(task_run_id, "COMPLETED")
+    history = _state_history(task_run_id)
+    assert retry_state in [name for _, name in history]
+    assert [kind for kind, _ in history if kind in ("FAILED", "CRASHED")] == []
+    assert history[-1][0] == "COMPLETED"
+    with get_client(sync_client=True) as client:
+        assert client.read_task_run(task_run_id).run_count == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("storage", ["local", "gcs"])
+def test_killed_pod_without_retries_ends_crashed_with_the_reason_and_keeps_its_checkpoint(
+    storage, request
+):
+    @flow(task_runner=_runner(storage, request))
+    def train() -> tuple[str, str, str]:
+        future = train_to_ten.with_options(retries=0).submit("kill")
+        future.wait()
+        return future.state.type.value, future.state.message or "", future.output_dir
+
+    state_type, message, outputs = train()
+
+    assert state_type == "CRASHED"
+    assert "killed by signal 9" in message
+    os.environ["KINETIC_OUTPUT_DIR"] = outputs
+    try:
+        assert checkpoint_manager().latest_step() == 6
+    finally:
+        del os.environ["KINETIC_OUTPUT_DIR"]
+
+
+def test_output_dir_is_shared_by_attempts_distinct_for_siblings_and_survives_cleanup(workdir: Path):
+    @flow(task_runner=KineticTaskRunner())
+    def run() -> list[tuple[str, list[str]]]:
+        futures = [note_attempt_then_fail_once.submit() for _ in range(2)]
+        return [(f.result(), f.job_ids) for f in futures]
+
+    (first_dir, first_jobs), (second_dir, second_jobs) = run()
+    cleanup_jobs(str(workdir / ".kinetic"), [*first_jobs, *second_jobs])
+
+    assert first_dir != second_dir
+    assert (
+        Path(first_dir, "attempt-1").read_text()
+        == Path(first_dir, "attempt-2").read_text()
+        == first_dir
+    )
+    assert not any((workdir / ".kinetic" / "kinetic" / job).exists() for job in first_jobs)
+
+
+@task
+def swap_config_marker(config: str) -> str:
+    """Leaves `config` in the output dir; returns what an earlier run of this identity left.
+
+    The first run in an output dir fails after leaving its marker, so a retry of the
+    flow runs the task again (a Completed one would be taken over, not rerun).
+    """
+    marker = Path(output_dir(), "config")
+    previous = marker.read_text() if marker.exists() else ""
+    marker.write_text(config)
+    if not previous:
+        raise RuntimeError(f"no earlier run of {config} left a marker")
+    return previous
+
+
+@flow(retries=1, task_runner=KineticTaskRunner())
+def sweep_in_reverse_on_retry(configs: list[str]) -> list[str]:
+    from prefect.runtime import flow_run
+
+    first_run = flow_run.run_count == 1
+    order = configs if first_run else configs[::-1]
+    futures = {config: swap_config_marker.submit(config) for config in order}
+    found = {config: future.result(raise_on_failure=False) for config, future in futures.items()}
+    if first_run:
+        raise RuntimeError("the first run of the flow fails after its sweep")
+    return [found[config] for config in configs]
+
+
+def test_a_retried_flow_that_submits_in_reverse_finds_each_configs_own_output_dir():
+    assert sweep_in_reverse_on_retry(["lr=0.1", "lr=0.01", "lr=0.001"]) == [
+        "lr=0.1",
+        "lr=0.01",
+        "lr=0.001",
+    ]
+
+
+def test_second_run_of_a_cached_task_launches_no_pod(launched_manifests):
+    # Inputs unique to this run: Prefect's default result storage outlives the session.
+    base = int.from_bytes(os.urandom(4), "big")
+
+    @flow(task_runner=KineticTaskRunner())
+    def squares() -> tuple[list[int], list[str | None]]:
+        futures = cached_square.map([base, base + 1])
+        return [f.result() for f in futures], [f.state.name for f in futures]
+
+    first = squares()
+    launched_after_first = len(launched_manifests)
+    second = squares()
+
+    assert first[0] == second[0] == [base * base, (base + 1) * (base + 1)]
+    assert second[1] == ["Cached", "Cached"]
+    assert len(launched_manifests) == launched_after_first == 2
+
+
+def _submit_one(runner: KineticTaskRunner, storage: object = None) -> None:
+    @flow(task_runner=runner)
+    def run() -> None:
+        cube.with_options(result_storage=storage).submit(2)
+
+    run()
+
+
+def test_unsaved_result_storage_with_a_gcs_cluster_fails_before_any_pod(gcs, launched_manifests):
+    from prefect_gcp.cloud_storage import GcsBucket
+
+    from kinetic_prefect.blocks import KineticCluster, KineticGcpCredentials
+
+    cluster = KineticCluster(
+        backend="local",
+        jobs_bucket=gcs.uri,
+        result_storage=GcsBucket(bucket=gcs.name, gcp_credentials=KineticGcpCredentials()),
+    )
+
+    with pytest.raises(ConfigurationError, match="is not saved"):
+        _submit_one(KineticTaskRunner(cluster=cluster))
+    assert launched_manifests == []
+
+
+def test_non_gcs_result_storage_with_a_gcs_cluster_fails_before_any_pod(
+    gcs, launched_manifests, tmp_path
+):
+    from kinetic_prefect.blocks import KineticCluster
+
+    LocalFileSystem(basepath=str(tmp_path)).save("local-results", overwrite=True)
+    cluster = KineticCluster(backend="local", jobs_bucket=gcs.uri)
+
+    with pytest.raises(ConfigurationError, match="use a GCS bucket"):
+        _submit_one(KineticTaskRunner(cluster=cluster), LocalFileSystem.load("local-results"))
+    assert launched_manifests == []
+
+
+def test_missing_jobs_bucket_fails_before_any_pod_naming_the_bucket(gcs, launched_manifests):
+    from kinetic_prefect.blocks import KineticCluster
+
+    cluster = KineticCluster(backend="local", jobs_bucket="gs://no-such-bucket-kp")
+
+    with pytest.raises(ConfigurationError, match="gs://no-such-bucket-kp does not exist"):
+        _submit_one(KineticTaskRunner(cluster=cluster))
+    assert launched_manifests == []
+
+
+def test_credentials_block_without_credentials_outside_emulator_mode_fails_before_any_pod(
+    monkeypatch, launched_manifests, tmp_path
+):
+    from kinetic_prefect.blocks import KineticCluster, KineticGcpCredentials
+
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
+    monkeypatch.delenv("GOOGLE_APPLICATION_CREDENTIALS", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("GCE_METADATA_HOST", "127.0.0.1:9")
+    monkeypatch.setenv("GCE_METADATA_IP", "127.0.0.1:9")
+    cluster = KineticCluster(
+        backend="local", jobs_bucket="gs://some-bucket", gcp_credentials=KineticGcpCredentials()
+    )
+
+    with pytest.raises(ConfigurationError, match="GOOGLE_APPLICATION_CREDENTIALS"):
+        _submit_one(KineticTaskRunner(cluster=cluster))
+    assert launched_manifests == []

@@ -1,0 +1,214 @@
+"""No secret or server state leaves the orchestrator; nothing from the bucket is trusted blindly."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+from pathlib import Path
+
+import cloudpickle
+import pytest
+from prefect import flow, task
+from prefect.blocks.system import Secret
+from prefect.settings import (
+    PREFECT_API_KEY,
+    PREFECT_LOGGING_LEVEL,
+    temporary_settings,
+)
+
+from kinetic_prefect.backends.base import PodExit
+from kinetic_prefect.common.records import FINAL_STATE_JSON, FINAL_STATE_PICKLE, FinalRecord
+from kinetic_prefect.common.storage import JobsStore, open_store
+from kinetic_prefect.errors import TamperedRecordError
+from kinetic_prefect.launch.pod_secrets import PodSecrets
+from kinetic_prefect.launch.pod_settings import pod_settings_env, secret_setting_paths
+from kinetic_prefect.runner.attempt_end import read_attempt_end
+from tests.emulated.test_kubernetes_backend import _runner
+from tests.support.leaks import canary_settings, leaks, scanned_artifacts
+
+pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
+
+KNOWN = canary_settings()
+USER_SECRET = secrets.token_hex(12)
+
+
+@task
+def secret_digests() -> dict[str, str | None]:
+    import os
+
+    def digest(name: str) -> str | None:
+        value = os.environ.get(name)
+        return hashlib.sha256(value.encode()).hexdigest() if value else None
+
+    return {
+        "user": digest("TRAINING_TOKEN"),
+        "api_key": digest("PREFECT_API_KEY"),
+        "server_auth": digest("PREFECT_SERVER_API_AUTH_STRING"),
+        "db_password": digest("PREFECT_SERVER_DATABASE_PASSWORD"),
+    }
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def test_pods_get_only_the_allowlisted_prefect_settings():
+    with temporary_settings({**KNOWN, PREFECT_LOGGING_LEVEL: "DEBUG"}):
+        env = pod_settings_env("http://prefect.example:4200/api")
+
+    assert sorted(env) == [
+        "KINETIC_SECRET_SETTING_PATHS",
+        "PREFECT_API_URL",
+        "PREFECT_LOGGING_LEVEL",
+        "PREFECT_LOGGING_TO_API_BATCH_INTERVAL",  # set by tests/conftest.py
+    ]
+    assert json.loads(env["KINETIC_SECRET_SETTING_PATHS"]) == {
+        "PREFECT_API_AUTH_STRING": ["api", "auth_string"],
+        "PREFECT_API_KEY": ["api", "key"],
+    }
+
+
+def test_every_secret_setting_of_prefects_model_is_known_as_secret():
+    assert {
+        "PREFECT_API_KEY",
+        "PREFECT_API_AUTH_STRING",
+        "PREFECT_SERVER_API_AUTH_STRING",
+        "PREFECT_SERVER_DATABASE_PASSWORD",
+    } <= set(secret_setting_paths())
+
+
+def test_secrets_with_different_values_live_in_differently_named_kubernetes_secrets():
+    first = PodSecrets({"PREFECT_API_KEY": "key-one"})
+    second = PodSecrets({"PREFECT_API_KEY": "key-two"})
+
+    assert first.secret_name != second.secret_name
+    assert first.secret_name == PodSecrets({"PREFECT_API_KEY": "key-one"}).secret_name
+    assert [ref.secret_name for ref in first.refs()] == [first.secret_name]
+
+
+def test_no_secret_reaches_a_manifest_payload_handle_or_archive_yet_pods_get_theirs(
+    gke, cluster, gcs
+):
+    Secret(value=USER_SECRET).save("training-token", overwrite=True)
+    runner = _runner(gke, env={"TRAINING_TOKEN": Secret.load("training-token")})
+
+    @flow(task_runner=runner)
+    def run() -> dict[str, str | None]:
+        return secret_digests.submit().result()
+
+    with temporary_settings(KNOWN):
+        seen = run()
+
+    assert seen == {
+        "user": _sha(USER_SECRET),
+        "api_key": _sha(KNOWN[PREFECT_API_KEY]),
+        "server_auth": None,
+        "db_password": None,
+    }
+    artifacts = scanned_artifacts(cluster, gcs)
+    assert any(name.endswith("payload.pkl") for name in artifacts)
+    assert leaks([*KNOWN.values(), USER_SECRET], artifacts) == []
+
+
+VICTIM = "kp-victim-0001"
+
+
+def _signed_attempt(store: JobsStore, key: str, state_bytes: bytes) -> None:
+    store.put_bytes(f"kinetic/{VICTIM}/{FINAL_STATE_PICKLE}", state_bytes)
+    record = FinalRecord(
+        status="finished",
+        state_type="COMPLETED",
+        pickle_sha256=hashlib.sha256(state_bytes).hexdigest(),
+    )
+    record.sign(key)
+    store.put_bytes(f"kinetic/{VICTIM}/{FINAL_STATE_JSON}", record.to_json())
+
+
+class _WritesMarkerWhenUnpickled:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (Path(self.marker).write_text, ("unpickled",))
+
+
+@pytest.fixture(params=["local", "gcs"])
+def jobs_store(request: pytest.FixtureRequest, workdir: Path) -> JobsStore:
+    """The jobs store a pod wrote its record to: a local directory or a GCS bucket."""
+    if request.param == "local":
+        return open_store(str(workdir / "jobs"))
+    return open_store(request.getfixturevalue("gcs").uri)
+
+
+def _assert_refused_unread(store: JobsStore, marker: Path) -> None:
+    end = read_attempt_end(store, VICTIM, PodExit(VICTIM, 0), "runner-key")
+
+    assert end.state.is_failed()
+    assert "was altered after the pod wrote it" in (end.state.message or "")
+    assert isinstance(end.state.data, TamperedRecordError)
+    assert not marker.exists()
+
+
+def test_a_final_state_pickle_rewritten_after_the_pod_signed_it_is_never_unpickled(
+    jobs_store: JobsStore, workdir: Path
+):
+    from prefect.states import Completed
+
+    _signed_attempt(jobs_store, "runner-key", cloudpickle.dumps({"state": Completed(data=1)}))
+    marker = workdir / "unpickled"
+    jobs_store.put_bytes(
+        f"kinetic/{VICTIM}/{FINAL_STATE_PICKLE}",
+        cloudpickle.dumps({"state": _WritesMarkerWhenUnpickled(str(marker))}),
+    )
+
+    _assert_refused_unread(jobs_store, marker)
+
+
+def test_a_final_state_signed_with_another_key_is_never_unpickled(
+    jobs_store: JobsStore, workdir: Path
+):
+    marker = workdir / "unpickled"
+    evil = cloudpickle.dumps({"state": _WritesMarkerWhenUnpickled(str(marker))})
+    _signed_attempt(jobs_store, "someone-elses-key", evil)
+
+    _assert_refused_unread(jobs_store, marker)
+
+
+@task
+def api_key_digest() -> str:
+    import os
+
+    return hashlib.sha256(os.environ["PREFECT_API_KEY"].encode()).hexdigest()
+
+
+def _run_with_key(gke: str, key: str, results: dict[str, str]) -> None:
+    @flow(task_runner=_runner(gke))
+    def run() -> str:
+        return api_key_digest.submit().result()
+
+    with temporary_settings({PREFECT_API_KEY: key}):
+        results[key] = run()
+
+
+def test_two_runners_with_different_api_keys_in_one_namespace_each_give_pods_their_own(
+    gke, cluster
+):
+    import threading
+
+    keys = [f"pnu_{secrets.token_hex(12)}" for _ in range(2)]
+    results: dict[str, str] = {}
+    threads = [threading.Thread(target=_run_with_key, args=(gke, k, results)) for k in keys]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=240)
+
+    assert results == {key: _sha(key) for key in keys}
+    secret_requests = [r for r in cluster.client_requests() if r.resource.plural == "secrets"]
+    assert sorted({r.method for r in secret_requests}) == ["DELETE", "POST"]
+    created = {
+        json.loads(r.body)["metadata"]["name"] for r in secret_requests if r.method == "POST"
+    }
+    assert len(created) == 2
+    assert [cluster.secret("default", name) for name in created] == [None, None]

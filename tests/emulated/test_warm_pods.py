@@ -1,0 +1,367 @@
+"""Warm pods: a pod takes the next task run of its pod spec instead of exiting."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prefect import flow, get_client, get_run_logger, task
+from prefect.client.schemas.filters import LogFilter, LogFilterTaskRunId
+from prefect.context import FlowRunContext
+from prefect.settings import PREFECT_LOGGING_TO_API_BATCH_INTERVAL, temporary_settings
+from typer.testing import CliRunner
+
+from kinetic_prefect import KineticTaskRunner, resources
+from kinetic_prefect.backends.local.pods import LocalPod, read_pod
+from kinetic_prefect.cli import app
+from kinetic_prefect.common.handover import BEGIN_MARK
+from kinetic_prefect.outputs.checkpoint import output_dir
+from tests.support.waiting import wait_for_task_run_state, wait_until
+
+pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
+
+# A task's deadline (the first task of a pod includes the pod's start-up), and how long
+# each task of a chain on one pod runs: together longer than the deadline.
+DEADLINE_SECONDS = 6
+TASK_SECONDS = DEADLINE_SECONDS * 0.6
+IDLE_SECONDS = 1.5
+
+
+@task
+def note_environment(x: int) -> dict[str, Any]:
+    seen = os.environ.get("SET_BY_A_TASK")
+    os.environ["SET_BY_A_TASK"] = str(x)
+    return {
+        "x": x,
+        "pid": os.getpid(),
+        "env_output_dir": os.environ["KINETIC_OUTPUT_DIR"],
+        "output_dir": output_dir(),
+        "seen": seen,
+        "flavour": os.environ.get("FLAVOUR", ""),
+    }
+
+
+@task
+def log_marker(marker: str) -> str:
+    get_run_logger().info(marker)
+    return marker
+
+
+@task
+def exit_hard() -> None:
+    os._exit(3)
+
+
+@task
+def wait_for_gate(gate: str) -> str:
+    while not Path(gate).exists():
+        threading.Event().wait(0.05)
+    return "opened"
+
+
+@task
+def busy_for(seconds: float) -> int:
+    threading.Event().wait(seconds)
+    return os.getpid()
+
+
+def _pods(workdir: Path) -> list[LocalPod]:
+    """Every pod the local backend recorded (not the runner's own count)."""
+    pods_dir = workdir / ".kinetic" / "pods"
+    found = [read_pod(pods_dir, path.stem) for path in sorted(pods_dir.glob("*.json"))]
+    return [pod for pod in found if pod is not None]
+
+
+def _pod_with_pid(workdir: Path, pid: int) -> LocalPod:
+    return next(pod for pod in _pods(workdir) if pod.pid == pid)
+
+
+def test_ten_tasks_share_two_warm_pods_each_with_its_own_output_dir_and_a_clean_env(workdir):
+    @flow(task_runner=KineticTaskRunner(warm_pods=True, max_parallel=2))
+    def run() -> list[dict[str, Any]]:
+        return [future.result() for future in note_environment.map(range(10))]
+
+    results = run()
+
+    pods = _pods(workdir)
+    assert len(pods) <= 2
+    assert {r["pid"] for r in results} <= {pod.pid for pod in pods}
+    assert [r["x"] for r in results] == list(range(10))
+    assert len({r["output_dir"] for r in results}) == 10
+    assert [r["env_output_dir"] for r in results] == [r["output_dir"] for r in results]
+    assert [r["seen"] for r in results] == [None] * 10
+
+
+def test_a_task_that_ends_its_warm_pod_is_crashed_and_the_next_task_gets_a_new_pod(workdir):
+    @flow(task_runner=KineticTaskRunner(warm_pods=True, max_parallel=1))
+    def run() -> tuple[int, str, int]:
+        first = note_environment.submit(1).result()
+        crashed = exit_hard.submit()
+        crashed.wait()
+        after = note_environment.submit(2).result()
+        return first["pid"], crashed.state.type.value, after["pid"]
+
+    first_pid, crashed, after_pid = run()
+
+    assert crashed == "CRASHED"
+    assert _pod_with_pid(workdir, first_pid).exit_code == 3
+    assert after_pid != first_pid
+
+
+def test_tasks_share_warm_pods_only_within_their_pod_spec(workdir):
+    @flow(task_runner=KineticTaskRunner(warm_pods=True, max_parallel=2))
+    def run() -> list[dict[str, Any]]:
+        results = []
+        for x in range(4):
+            with resources(env={"FLAVOUR": "b"} if x % 2 else {}):
+                results.append(note_environment.submit(x).result())
+        return results
+
+    results = run()
+
+    flavours_by_pid: dict[int, set[str]] = {}
+    for result in results:
+        flavours_by_pid.setdefault(result["pid"], set()).add(result["flavour"])
+    assert flavours_by_pid == {results[0]["pid"]: {""}, results[1]["pid"]: {"b"}}
+    assert len(_pods(workdir)) == 2
+
+
+def test_a_task_of_another_spec_retires_an_idle_pod_holding_the_only_slot(workdir):
+    idle_seconds = 120.0
+
+    @flow(
+        task_runner=KineticTaskRunner(
+            warm_pods=True, max_parallel=1, warm_pod_idle_seconds=idle_seconds
+        )
+    )
+    def run() -> tuple[int, int]:
+        first = note_environment.submit(1).result()
+        with resources(env={"FLAVOUR": "b"}):
+            other = note_environment.submit(2).result()
+        return first["pid"], other["pid"]
+
+    started = time.monotonic()
+    first_pid, other_pid = run()
+
+    assert time.monotonic() - started < idle_seconds / 2
+    assert other_pid != first_pid
+    assert _pod_with_pid(workdir, first_pid).exit_code == -signal.SIGTERM
+
+
+def test_an_idle_warm_pod_ends_by_itself_after_its_idle_time(workdir):
+    @flow(task_runner=KineticTaskRunner(warm_pods=True, warm_pod_idle_seconds=IDLE_SECONDS))
+    def run() -> tuple[int, float]:
+        pid = note_environment.submit(1).result()["pid"]
+        finished = time.monotonic()
+        wait_until(lambda: _pod_with_pid(workdir, pid).ended, 30, "the idle pod to end")
+        return pid, time.monotonic() - finished
+
+    pid, idle_for = run()
+
+    pod = _pod_with_pid(workdir, pid)
+    assert pod.exit_code == 0
+    assert idle_for >= IDLE_SECONDS / 2
+    assert f"idle for {IDLE_SECONDS:g}s: ending this warm pod" in pod.log_path.read_text()
+
+
+def test_leaving_the_flow_ends_its_idle_warm_pods(workdir):
+    @flow(task_runner=KineticTaskRunner(warm_pods=True, warm_pod_idle_seconds=600))
+    def run() -> int:
+        return note_environment.submit(1).result()["pid"]
+
+    pid = run()
+
+    pod = _pod_with_pid(workdir, pid)
+    assert pod.gone()
+    assert "pod exited with code -15 after" in pod.log_path.read_text()
+    assert pod.log_path.read_text().rstrip().endswith("(stopped by the runner)")
+
+
+def _api_log_messages(task_run_ids: list[Any]) -> list[str]:
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(
+            LogFilter(task_run_id=LogFilterTaskRunId(any_=task_run_ids)), limit=200
+        )
+    return [log.message for log in logs]
+
+
+def test_task_logs_reach_the_api_before_the_flow_ends_its_warm_pods(workdir):
+    """With Prefect's default log batching, as users run it (the suite's is shorter)."""
+
+    @flow(task_runner=KineticTaskRunner(warm_pods=True, max_parallel=1))
+    def run() -> list[Any]:
+        futures = [log_marker.submit(f"warm-log-marker-{i}") for i in range(2)]
+        for future in futures:
+            future.wait()
+        return [future.task_run_id for future in futures]
+
+    with temporary_settings({PREFECT_LOGGING_TO_API_BATCH_INTERVAL: 2.0}):
+        task_run_ids = run()
+
+    messages = _api_log_messages(task_run_ids)
+    assert [f"warm-log-marker-{i}" in messages for i in range(2)] == [True, True]
+
+
+def test_a_handover_write_that_fails_after_it_landed_retries_the_task_instead_of_cancelling_it(
+    workdir, monkeypatch
+):
+    """As a GCS upload that times out after the object was stored: the pod took the task."""
+    from kinetic_prefect.common.storage import LocalStore
+
+    put_bytes = LocalStore.put_bytes
+
+    def put_then_fail(self: LocalStore, key: str, data: bytes) -> str:
+        stored = put_bytes(self, key, data)
+        if key.endswith("/warm/assign-1.json"):
+            accepted = key.replace("assign-1", "accepted-1")
+            wait_until(lambda: self.exists(accepted), 60, "the pod to take the task")
+            raise OSError("the write timed out")
+        return stored
+
+    monkeypatch.setattr(LocalStore, "put_bytes", put_then_fail)
+
+    @flow(task_runner=KineticTaskRunner(warm_pods=True, max_parallel=1))
+    def run() -> tuple[int, str, int]:
+        first = note_environment.submit(1).result()["pid"]
+        handed = note_environment.submit(2)
+        handed.wait()
+        return first, handed.state.type.value, handed.result()["pid"]
+
+    first_pid, state, handed_pid = run()
+
+    assert state == "COMPLETED"
+    assert handed_pid != first_pid
+
+
+def test_a_pod_that_dies_while_the_store_cannot_say_whether_it_took_its_task_crashes_the_task(
+    workdir, monkeypatch
+):
+    from kinetic_prefect.common.storage import LocalStore
+
+    exists = LocalStore.exists
+
+    def unreadable_acceptance(self: LocalStore, key: str) -> bool:
+        if "/warm/accepted-" in key:
+            raise OSError("the store did not answer")
+        return exists(self, key)
+
+    monkeypatch.setattr(LocalStore, "exists", unreadable_acceptance)
+
+    @flow(task_runner=KineticTaskRunner(warm_pods=True, max_parallel=1))
+    def run() -> tuple[str | None, int]:
+        first = note_environment.submit(1).result()["pid"]
+        crashed = exit_hard.submit()
+        crashed.wait(timeout=120)
+        return (crashed.state.type.value if crashed.state.is_final() else None), first
+
+    state, first_pid = run()
+
+    assert state == "CRASHED"
+    assert _pod_with_pid(workdir, first_pid).exit_code == 3
+
+
+def test_a_task_handed_to_a_pod_that_ends_before_taking_it_runs_on_a_fresh_pod_without_a_retry(
+    workdir,
+):
+    @flow(task_runner=KineticTaskRunner(warm_pods=True, max_parallel=1))
+    def run() -> tuple[int, int]:
+        first = note_environment.submit(1)
+        first_pid = first.result()["pid"]
+        os.kill(first_pid, signal.SIGSTOP)  # the pod cannot pick the next task up
+        handed = note_environment.submit(2)
+        assignment = workdir / ".kinetic" / "kinetic" / first.job_id / "warm" / "assign-1.json"
+        wait_until(assignment.exists, 30, "the task to be handed to the stopped pod")
+        os.kill(first_pid, signal.SIGKILL)
+        return first_pid, handed.result()["pid"]
+
+    first_pid, handed_pid = run()
+
+    assert handed_pid != first_pid
+    assert len(_pods(workdir)) == 2
+
+
+def test_cancelling_a_task_on_a_warm_pod_ends_that_pod_and_records_it_cancelled(workdir):
+    @flow(task_runner=KineticTaskRunner(warm_pods=True, max_parallel=1, cancel_grace_seconds=2))
+    def run() -> tuple[int, str, object]:
+        runner = FlowRunContext.get().task_runner  # type: ignore[union-attr]
+        first_pid = note_environment.submit(1).result()["pid"]
+        waiting = wait_for_gate.submit(str(workdir / "never"))
+        wait_for_task_run_state(waiting.task_run_id, "RUNNING")
+        runner.cancel_all()
+        waiting.wait()
+        return first_pid, waiting.state.type.value, waiting.task_run_id
+
+    first_pid, cancelled, task_run_id = run()
+
+    assert cancelled == "CANCELLED"
+    assert _pod_with_pid(workdir, first_pid).ended
+    wait_for_task_run_state(task_run_id, "CANCELLED")
+
+
+@pytest.mark.parametrize("warm_pods", [False, True], ids=["cold", "warm"])
+def test_a_task_past_its_deadline_is_crashed_with_deadline_exceeded_on_cold_and_warm_pods(
+    workdir, warm_pods
+):
+    runner = KineticTaskRunner(
+        warm_pods=warm_pods, max_parallel=1, timeout_seconds=DEADLINE_SECONDS
+    )
+
+    @flow(task_runner=runner)
+    def run() -> tuple[str, str]:
+        note_environment.submit(1).result()
+        hung = wait_for_gate.submit(str(workdir / "never"))
+        hung.wait()
+        return hung.state.type.value, hung.state.message or ""
+
+    state_type, message = run()
+
+    assert state_type == "CRASHED"
+    assert "DeadlineExceeded" in message
+
+
+def test_a_warm_pods_deadline_is_per_task_run(workdir):
+    @flow(
+        task_runner=KineticTaskRunner(
+            warm_pods=True, max_parallel=1, timeout_seconds=DEADLINE_SECONDS
+        )
+    )
+    def run() -> list[int]:
+        warm_up = note_environment.submit(1).result()["pid"]
+        return [warm_up, *(busy_for.submit(TASK_SECONDS).result() for _ in range(2))]
+
+    pids = run()
+
+    assert len(set(pids)) == 1
+
+
+def test_jobs_logs_of_a_task_on_a_warm_pod_prints_that_tasks_part_of_the_pod_log(workdir):
+    @flow(task_runner=KineticTaskRunner(warm_pods=True, max_parallel=1))
+    def run() -> list[str]:
+        first = note_environment.submit(1)
+        first.wait()
+        second = note_environment.submit(2)
+        second.wait()
+        return [first.job_id, second.job_id]
+
+    first, second = run()
+
+    output = CliRunner().invoke(app, ["jobs", "logs", second]).output
+    assert output.startswith(f"{BEGIN_MARK} {second} ")
+    assert first not in output
+    assert "Finished in state Completed()" in output
+
+
+def test_a_map_on_the_emulated_cluster_runs_in_a_single_warm_job(gke, cluster):
+    runner = KineticTaskRunner(cluster=gke, allow_loopback_api=True, warm_pods=True, max_parallel=1)
+
+    @flow(task_runner=runner)
+    def run() -> list[int]:
+        return [future.result()["x"] for future in note_environment.map(range(4))]
+
+    assert run() == [0, 1, 2, 3]
+    assert len(cluster.created_jobs()) == 1

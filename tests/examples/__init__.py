@@ -1,0 +1,1 @@
+"""What the README tells a user to run: the example flows and the block scripts."""

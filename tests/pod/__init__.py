@@ -1,0 +1,1 @@
+"""The pod entrypoint run as `python -m kinetic_prefect.pod` in real processes."""

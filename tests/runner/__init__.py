@@ -1,0 +1,1 @@
+"""`KineticTaskRunner` against a real Prefect API with local pods."""

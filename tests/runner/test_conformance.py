@@ -1,0 +1,428 @@
+"""KineticTaskRunner behaves as Prefect's task runners do.
+
+The behaviours checked by Prefect's own runner suites (ThreadPool/ProcessPool in
+Prefect's tests, prefect-dask's and prefect-ray's) that apply to a runner whose
+tasks run in other processes, each against a real Prefect API with real pods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import time
+from pathlib import Path
+
+import pytest
+from prefect import flow, get_client, tags, task
+from prefect.assets import Asset, materialize
+from prefect.context import FlowRunContext, TagsContext, get_run_context
+from prefect.futures import as_completed
+from prefect.states import Completed
+from prefect.task_runners import ThreadPoolTaskRunner
+from prefect.utilities.annotations import allow_failure
+
+from kinetic_prefect import KineticTaskRunner
+from kinetic_prefect.runner.task_launch import TaskLaunch
+from tests.support.waiting import wait_until
+
+pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
+
+CANCEL_GRACE = 3
+
+
+@task
+def wait_for_file(path: str) -> str:
+    while not Path(path).exists():
+        time.sleep(0.05)
+    return path
+
+
+@task
+def plus_one(x: int) -> int:
+    return x + 1
+
+
+@task
+def explode() -> None:
+    raise ValueError("boom")
+
+
+@task
+def current_tags() -> set[str]:
+    return set(TagsContext.get().current_tags)
+
+
+@task
+def interrupt() -> None:
+    raise KeyboardInterrupt()
+
+
+@task(timeout_seconds=1)
+async def sleeps_past_its_timeout() -> int:
+    await asyncio.sleep(30)
+    return 42
+
+
+@task
+async def depends_on(value: object) -> int:
+    return 1764
+
+
+@task
+async def independent() -> int:
+    return 74088
+
+
+@task
+def sleep_after_all_started(seconds: float, started_dir: str, count: int) -> float:
+    """Sleeps `seconds` once `count` tasks have started: pod start-up skew cannot reorder them."""
+    Path(started_dir, str(os.getpid())).touch()
+    wait_until(lambda: len(os.listdir(started_dir)) >= count, 120, "every task to start")
+    time.sleep(seconds)
+    return seconds
+
+
+@flow(task_runner=KineticTaskRunner(cancel_grace_seconds=CANCEL_GRACE))
+def leave_a_chain_unfinished(gate: str, finish: str) -> None:
+    """Leaves `a -> b -> c` unfinished by returning or raising."""
+    a = wait_for_file.submit(gate)
+    b = plus_one.submit(1, wait_for=[a])
+    plus_one.submit(b)
+    if finish == "raise":
+        raise RuntimeError("leaving early")
+
+
+@task
+def wait_for_file_once_started(path: str, started_dir: str) -> str:
+    Path(started_dir, f"{os.getpid()}-{time.monotonic_ns()}").touch()
+    while not Path(path).exists():
+        time.sleep(0.05)
+    return path
+
+
+@flow(task_runner=KineticTaskRunner(cancel_grace_seconds=CANCEL_GRACE, max_parallel=4))
+def leave_unfinished(shape: str, finish: str, linger: bool, gate: str, started: str) -> None:
+    """Leaves a chain or a map with dependents unfinished, at once or once a pod runs."""
+    if shape == "chain":
+        a = wait_for_file_once_started.submit(gate, started)
+        b = plus_one.submit(1, wait_for=[a])
+        plus_one.submit(b)
+    else:
+        waiting = wait_for_file_once_started.map([gate] * 3, started_dir=started)
+        plus_one.map([1, 2, 3], wait_for=[waiting])
+    if linger:
+        wait_until(lambda: os.listdir(started), 120, "a pod to run its task")
+    if finish == "raise":
+        raise RuntimeError("leaving early")
+
+
+def _task_run_states(flow_run_id: object) -> list[str]:
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+        )
+    return sorted(run.state.type.value for run in runs if run.state is not None)
+
+
+@pytest.mark.parametrize("finish", ["return", "raise"])
+def test_leaving_the_flow_with_a_chain_unfinished_cancels_every_task_run_within_the_grace(
+    workdir: Path, finish: str
+):
+    started = time.monotonic()
+    state = leave_a_chain_unfinished(str(workdir / "never"), finish, return_state=True)
+    elapsed = time.monotonic() - started
+
+    flow_run_id = state.state_details.flow_run_id
+    wait_until(
+        lambda: _task_run_states(flow_run_id) == ["CANCELLED"] * 3,
+        30,
+        f"every task run to be Cancelled (now {_task_run_states(flow_run_id)})",
+    )
+    assert elapsed < 30 + CANCEL_GRACE
+
+
+def test_twenty_flows_left_unfinished_in_mixed_shapes_leave_no_task_run_unfinished(
+    workdir: Path,
+):
+    shapes = [
+        (shape, finish, linger)
+        for linger in (False, True)
+        for shape in ("chain", "map")
+        for finish in ("return", "raise")
+    ]
+    cases = [shapes[i % len(shapes)] for i in range(20)]
+
+    def leave(index: int) -> object:
+        shape, finish, linger = cases[index]
+        started = workdir / f"started-{index}"
+        started.mkdir()
+        state = leave_unfinished(
+            shape, finish, linger, str(workdir / "never"), str(started), return_state=True
+        )
+        return state.state_details.flow_run_id
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        flow_run_ids = list(pool.map(leave, range(len(cases))))
+
+    def unfinished() -> dict[str, list[str]]:
+        states = {str(i): _task_run_states(i) for i in flow_run_ids}
+        return {i: s for i, s in states.items() if set(s) != {"CANCELLED"}}
+
+    wait_until(lambda: not unfinished(), CANCEL_GRACE + 30, "every task run to be Cancelled")
+    assert sum(len(_task_run_states(i)) for i in flow_run_ids) == 10 * 3 + 10 * 6
+
+
+def test_cancel_all_stops_running_and_waiting_task_runs_and_then_refuses_new_work(
+    workdir: Path,
+):
+    @flow(task_runner=KineticTaskRunner(cancel_grace_seconds=CANCEL_GRACE))
+    def run() -> tuple[list[str], str]:
+        runner = FlowRunContext.get().task_runner  # type: ignore[union-attr]
+        waiting = wait_for_file.submit(str(workdir / "never"))
+        downstream = plus_one.submit(waiting)
+        runner.cancel_all()
+        cancelled = [waiting.state.type.value, downstream.state.type.value]
+        with pytest.raises(RuntimeError) as refused:
+            plus_one.submit(41)
+        return cancelled, str(refused.value)
+
+    cancelled, refusal = run()
+
+    assert cancelled == ["CANCELLED", "CANCELLED"]
+    assert "cancel_all" in refusal
+
+
+def test_a_new_runner_works_after_another_was_cancelled():
+    first = KineticTaskRunner()
+    with first:
+        first.cancel_all()
+
+    @flow(task_runner=first.duplicate())
+    def run() -> int:
+        return plus_one.submit(41).result()
+
+    assert run() == 42
+
+
+def test_cancel_all_matches_thread_pool_runner_refusing_submit():
+    with ThreadPoolTaskRunner() as runner:
+        runner.cancel_all()
+        with pytest.raises(RuntimeError):
+            runner.submit(plus_one, {"x": 1})
+    with KineticTaskRunner() as runner:
+        runner.cancel_all()
+        with pytest.raises(RuntimeError):
+            runner.submit(plus_one, {"x": 1})
+
+
+def test_a_future_resolves_once_whoever_gets_there_first():
+    launch = TaskLaunch(
+        task=None,
+        task_run=None,  # type: ignore[arg-type]
+        future=concurrent.futures.Future(),
+        settings=None,  # type: ignore[arg-type]
+        accelerator=None,  # type: ignore[arg-type]
+        task_key="",
+        output_dir="",
+        context=None,  # type: ignore[arg-type]
+        serialized_context={},
+    )
+    first, second = Completed(data=1), Completed(data=2)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        outcomes = list(pool.map(launch.resolve, [first, second] * 50))
+
+    assert outcomes.count(True) == 1
+    assert launch.future.result() in (first, second)
+
+
+def _wait_for_forms(runner: object) -> list[object]:
+    @flow(task_runner=runner)
+    def run() -> list[object]:
+        first = plus_one.submit(0)
+        single = plus_one.submit(10, wait_for=first)
+        failed = explode.submit()
+        tolerant = plus_one.submit(20, wait_for=[allow_failure(failed)])
+        strict = plus_one.submit(30, wait_for=[failed])
+        strict.wait()
+        return [
+            single.result(),
+            tolerant.result(),
+            (strict.state.type.value, strict.state.name),
+        ]
+
+    return run()
+
+
+def test_wait_for_a_single_future_and_allow_failure_behave_as_with_thread_pool():
+    kinetic = _wait_for_forms(KineticTaskRunner(warm_pods=True))
+
+    assert kinetic == _wait_for_forms(ThreadPoolTaskRunner())
+    assert kinetic == [11, 21, ("PENDING", "NotReady")]
+
+
+def test_submit_returns_at_once_while_upstreams_run(workdir: Path):
+    @flow(task_runner=KineticTaskRunner())
+    def run() -> tuple[float, int]:
+        gate = workdir / "gate"
+        started = time.monotonic()
+        upstream = wait_for_file.submit(str(gate))
+        downstream = plus_one.submit(1, wait_for=[upstream])
+        submitted = time.monotonic() - started
+        gate.touch()
+        return submitted, downstream.result()
+
+    submitted, value = run()
+
+    assert value == 2
+    assert submitted < 2
+
+
+def test_tags_reach_the_task_in_the_pod():
+    @flow(task_runner=KineticTaskRunner())
+    def run() -> set[str]:
+        with tags("sweep", "tpu"):
+            return current_tags.submit().result()
+
+    assert {"sweep", "tpu"} <= run()
+
+
+def test_keyboard_interrupt_in_the_task_ends_the_run_crashed_without_raising_in_wait():
+    @flow(task_runner=KineticTaskRunner())
+    def run() -> str:
+        future = interrupt.submit()
+        future.wait()
+        return future.state.name
+
+    assert run() == "Crashed"
+
+
+def test_async_task_timeout_fails_it_leaves_its_dependent_not_ready_and_others_complete():
+    @flow(task_runner=KineticTaskRunner())
+    async def run() -> list[str]:
+        timed_out = sleeps_past_its_timeout.submit()
+        dependent = depends_on.submit(timed_out)
+        other = independent.submit()
+        for future in (timed_out, dependent, other):
+            future.wait()
+        return [f.state.type.value for f in (timed_out, dependent, other)]
+
+    assert asyncio.run(run()) == ["FAILED", "PENDING", "COMPLETED"]
+
+
+def test_as_completed_yields_futures_in_the_order_they_finish(tmp_path):
+    @flow(task_runner=KineticTaskRunner(max_parallel=3))
+    def run() -> list[float]:
+        futures = [sleep_after_all_started.submit(s, str(tmp_path), 3) for s in (4.0, 0.0, 2.0)]
+        return [f.result() for f in as_completed(futures)]
+
+    assert run() == [0.0, 2.0, 4.0]
+
+
+def test_thirty_tasks_run_without_crashing():
+    # Warm pods: thirty hand-overs between tasks, at two pods' start-up cost.
+    @flow(task_runner=KineticTaskRunner(warm_pods=True))
+    def run() -> list[int]:
+        return [f.result() for f in plus_one.map(range(30))]
+
+    assert run() == list(range(1, 31))
+
+
+UPSTREAM = Asset(key="gs://kinetic-test/raw")
+DOWNSTREAM = Asset(key="gs://kinetic-test/processed")
+
+
+@materialize(UPSTREAM)
+def extract() -> dict[str, int]:
+    return {"rows": 50}
+
+
+@materialize(DOWNSTREAM)
+def load(data: dict[str, int]) -> dict[str, int]:
+    return {"rows": data["rows"] * 2}
+
+
+def _asset_events(flow_run_id: object) -> list[dict[str, object]]:
+    with get_client(sync_client=True) as client:
+        response = client._client.post(
+            "/events/filter",
+            json={
+                "filter": {
+                    "event": {"prefix": ["prefect.asset."]},
+                    "related": {"id": [f"prefect.flow-run.{flow_run_id}"]},
+                }
+            },
+        )
+        response.raise_for_status()
+        return response.json().get("events", [])
+
+
+def test_asset_lineage_from_pods_names_the_upstream_asset():
+    @flow(task_runner=KineticTaskRunner())
+    def pipeline() -> object:
+        load.submit(extract.submit()).wait()
+        return get_run_context().flow_run.id  # type: ignore[union-attr]
+
+    flow_run_id = pipeline()
+    events = wait_until(
+        lambda: (found := _asset_events(flow_run_id)) and len(found) >= 3 and found,
+        60,
+        "three asset events",
+    )
+
+    by_asset = {
+        key: [e for e in events if e["resource"]["prefect.resource.id"] == key]  # type: ignore[index]
+        for key in (UPSTREAM.key, DOWNSTREAM.key)
+    }
+    assert len(events) == 3
+    assert sorted(e["event"] for e in by_asset[UPSTREAM.key]) == [  # type: ignore[type-var]
+        "prefect.asset.materialization.succeeded",
+        "prefect.asset.referenced",
+    ]
+    downstream_related = {r["prefect.resource.id"] for r in by_asset[DOWNSTREAM.key][0]["related"]}  # type: ignore[index]
+    assert UPSTREAM.key in downstream_related
+
+
+def test_duplicate_is_an_equal_unstarted_copy():
+    runner = KineticTaskRunner(accelerator="l4", max_parallel=3)
+    copy = runner.duplicate()
+
+    assert copy == runner
+    assert copy is not runner
+    with pytest.raises(RuntimeError, match="must be started"):
+        copy.submit(plus_one, {"x": 1})
+
+
+@task
+def own_pid() -> int:
+    return os.getpid()
+
+
+@task
+def pids_of_self_and_child() -> tuple[int, int]:
+    return os.getpid(), own_pid.submit().result()
+
+
+def test_a_task_that_submits_a_task_gets_its_result_from_a_pod_of_its_own():
+    @flow(task_runner=KineticTaskRunner())
+    def run() -> tuple[int, int]:
+        return pids_of_self_and_child.submit().result()
+
+    outer, inner = run()
+
+    assert len({outer, inner, os.getpid()}) == 3
+
+
+@task
+def summarise(values: list[int]) -> tuple[int, int]:
+    return len(values), sum(values)
+
+
+def test_large_parameters_reach_the_pod_whole():
+    @flow(task_runner=KineticTaskRunner())
+    def run() -> tuple[int, int]:
+        return summarise.submit(list(range(10_000))).result()
+
+    assert run() == (10_000, sum(range(10_000)))

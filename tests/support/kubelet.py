@@ -1,0 +1,414 @@
+"""A test kubelet: kubelet, scheduler, Job controller and TTL controller for `ClusterEmulator`.
+
+For every created Job it makes a pod, runs its container through `LocalBackend`
+(secretKeyRefs resolved from the Secrets stored in the emulator) and writes pod
+and Job status back over HTTP, as another client of the API. It can instead
+leave the pod pending (image pull error, unschedulable, quota) or end it as
+Kubernetes would (OOMKilled, evicted, preempted, deadline). As Kubernetes'
+TTL-after-finished controller does, it deletes a finished Job (and so its pods)
+`ttlSecondsAfterFinished` after the Job finished.
+
+A container's environment is what its image sets plus its manifest's env, never
+the environment of whoever created the Job. So a pod run here starts from
+`image_env()`, what a python image sets: `PATH` (this interpreter's directory
+first, standing in for the image's `/usr/local/bin`, then the system
+directories), `HOME` (a directory of the kubelet's own, as a fresh container
+filesystem has) and `LANG=C.UTF-8`; then its manifest's env; then `KUBECONFIG`,
+the test-only stand-in for a mounted service-account token (tests/support/pod_env.py).
+Anything else a pod needs, such as the GCS emulator's address, must travel in
+the manifest as a user's settings would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from kinetic_prefect.backends.base import PodExit
+from kinetic_prefect.backends.local.backend import LocalBackend
+from kinetic_prefect.launch.slices import hosts_of
+from tests.support.kube_emulator import JOBS, ClusterEmulator
+from tests.support.kube_objects import (
+    Node,
+    finished_job_status,
+    pod_of_job,
+    quota_event,
+    running_status,
+    terminated_status,
+    unschedulable_message,
+    unschedulable_status,
+    waiting_status,
+)
+from tests.support.pod_env import (
+    image_env,
+    pod_kubeconfig,
+    secret_values,
+)
+
+KUBELET_AGENT = "test-kubelet"
+
+
+def _finished(job: dict[str, Any]) -> bool:
+    conditions = (job.get("status") or {}).get("conditions") or []
+    return any(c["type"] in {"Complete", "Failed"} and c["status"] == "True" for c in conditions)
+
+
+@dataclass
+class _Pod:
+    job: dict[str, Any]
+    name: str
+    namespace: str
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    running: bool = False
+    terminating: bool = False
+    # One pod per host for an Indexed Job (a multi-host slice); `name` is host 0's.
+    names: list[str] = field(default_factory=list)
+
+
+class Kubelet:
+    """Kubelet, scheduler and Job controller for the emulator (see the module docstring).
+
+    Faults (`fault`, or `faults_by_job` for one Job), applied to a pod once it runs,
+    without starting its container: `"oom"`, `"evict"`, `"preempt"`, `"deadline"`, and
+    `"hang"` (it runs until its Job is deleted); `fault_pods_left` limits `fault` to that
+    many pods. `run_containers=False` ends every
+    pod with exit code 0 without running it (for request counting at scale).
+    """
+
+    def __init__(self, emulator: ClusterEmulator, workspace: Path) -> None:
+        self.emulator = emulator
+        workspace.mkdir(parents=True, exist_ok=True)
+        (workspace / "home").mkdir(exist_ok=True)
+        self.local = LocalBackend(
+            workspace,
+            max_parallel=4,
+            cancel_grace_seconds=5,
+            base_env=image_env(workspace / "home"),
+        )
+        self.workspace = workspace
+        # Exceptions of the kubelet's own tasks: a broken kubelet must fail the test.
+        self.errors: list[BaseException] = []
+        self.nodes = [Node()]
+        self.missing_images: set[str] = set()
+        self.quota_exceeded = False
+        self.fault: str | None = None
+        self.faults_by_job: dict[str, str] = {}
+        # With `fault`: how many pods it applies to before pods run normally again.
+        self.fault_pods_left: int | None = None
+        self.run_containers = True
+        # Wall-clock time at which each pod's terminal status was written, by job name.
+        self.finished_at: dict[str, float] = {}
+        self._pods: dict[str, _Pod] = {}
+        self._session: aiohttp.ClientSession | None = None
+        self._base_url = ""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._ttl_timers: dict[str, asyncio.Task[Any]] = {}
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    async def run(self, base_url: str) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._base_url = base_url
+        self._session = aiohttp.ClientSession(
+            base_url=base_url, headers={"User-Agent": KUBELET_AGENT}
+        )
+        position = 0
+        try:
+            while True:
+                async with self.emulator._changed:
+                    await self.emulator._changed.wait_for(
+                        lambda seen=position: len(self.emulator.events) > seen
+                    )
+                    batch = self.emulator.events[position:]
+                    position = len(self.emulator.events)
+                for _, resource, event in batch:
+                    if resource.plural == JOBS:
+                        self._on_job(event["type"], event["object"])
+        finally:
+            # The cluster is going away: work still in flight (a pod being ended, a TTL
+            # timer) stops here, before the session it talks through is closed.
+            pending = [*self._ttl_timers.values(), *self._tasks]
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            await self._session.close()
+
+    def stop(self) -> None:
+        self.local.close()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.errors.append(task.exception())  # type: ignore[arg-type]
+
+    def _on_job(self, event_type: str, job: dict[str, Any]) -> None:
+        name = job["metadata"]["name"]
+        ending = event_type == "DELETED" or job["metadata"].get("deletionTimestamp")
+        if ending:
+            pod = self._pods.get(name)
+            if pod is not None and not pod.terminating:
+                pod.terminating = True
+                self._spawn(self._terminate(pod))
+            elif pod is None:
+                self._spawn(self._release_job(job))
+        elif _finished(job) and job["spec"].get("ttlSecondsAfterFinished") is not None:
+            if name not in self._ttl_timers:
+                timer = asyncio.get_running_loop().create_task(self._expire(job))
+                timer.add_done_callback(self._task_done)
+                self._ttl_timers[name] = timer
+        elif event_type == "ADDED" and name not in self._pods:
+            suffix = secrets.token_hex(3)[:5]
+            hosts = hosts_of(job)
+            names = (
+                [f"{name}-{suffix}"]
+                if hosts == 1
+                else [f"{name}-{index}-{suffix}" for index in range(hosts)]
+            )
+            pod = _Pod(job=job, name=names[0], namespace=job["metadata"]["namespace"], names=names)
+            self._pods[name] = pod
+            self._spawn(self._start(pod))
+
+    async def _expire(self, job: dict[str, Any]) -> None:
+        """TTL-after-finished: delete the Job (and with it its pods) once its TTL is up."""
+        await asyncio.sleep(float(job["spec"]["ttlSecondsAfterFinished"]))
+        meta = job["metadata"]
+        path = f"/apis/batch/v1/namespaces/{meta['namespace']}/jobs/{meta['name']}"
+        await self._request("DELETE", path, {"propagationPolicy": "Background"})
+
+    # -- HTTP -----------------------------------------------------------------------------
+
+    async def _request(self, method: str, path: str, body: Any = None) -> Any:
+        assert self._session is not None
+        async with self._session.request(method, path, json=body) as response:
+            if response.status >= 400 and response.status != 404:
+                raise RuntimeError(f"{method} {path}: {response.status} {await response.text()}")
+            return await response.json() if response.status < 300 else None
+
+    def _pod_path(self, pod: _Pod, suffix: str = "", name: str | None = None) -> str:
+        return f"/api/v1/namespaces/{pod.namespace}/pods/{name or pod.name}{suffix}"
+
+    def _job_path(self, pod: _Pod) -> str:
+        return f"/apis/batch/v1/namespaces/{pod.namespace}/jobs/{pod.job['metadata']['name']}"
+
+    async def _pod_status(
+        self, pod: _Pod, status: dict[str, Any], names: list[str] | None = None
+    ) -> None:
+        for name in pod.names if names is None else names:
+            await self._request("PATCH", self._pod_path(pod, "/status", name), {"status": status})
+
+    async def _job_status(self, pod: _Pod, status: dict[str, Any]) -> None:
+        await self._request("PATCH", self._job_path(pod) + "/status", {"status": status})
+
+    # -- scheduling and starting ------------------------------------------------------------
+
+    async def _start(self, pod: _Pod) -> None:
+        async with pod.lock:
+            job = pod.job
+            job_name = job["metadata"]["name"]
+            if self.quota_exceeded:
+                await self._failed_create(pod)
+                return
+            template = job["spec"]["template"]
+            slice_hosts = len(pod.names) if len(pod.names) > 1 else None
+            for index, name in enumerate(pod.names):
+                body = pod_of_job(job, name, pod.namespace, index if slice_hosts else None)
+                await self._request("POST", f"/api/v1/namespaces/{pod.namespace}/pods", body)
+            unschedulable = unschedulable_message(self.nodes, template["spec"], len(pod.names))
+            if unschedulable:
+                # One pod per node: the pods past the nodes that fit stay unschedulable.
+                fit = sum(unschedulable_message([n], template["spec"]) is None for n in self.nodes)
+                await self._pod_status(
+                    pod,
+                    unschedulable_status(unschedulable),
+                    pod.names[min(fit, len(pod.names) - 1) :],
+                )
+                return
+            image = template["spec"]["containers"][0]["image"]
+            if image in self.missing_images:
+                for reason, message in (
+                    ("ErrImagePull", f'failed to pull and unpack image "{image}": not found'),
+                    ("ImagePullBackOff", f'Back-off pulling image "{image}"'),
+                ):
+                    await self._pod_status(pod, waiting_status(image, reason, message))
+                return
+            try:
+                values = self._secret_values(pod, template["spec"])
+            except KeyError as exc:
+                await self._pod_status(
+                    pod, waiting_status(image, "CreateContainerConfigError", str(exc))
+                )
+                return
+            log = self.workspace / f"{job_name}.log"
+            for index, name in enumerate(pod.names):
+                host_log = log if index == 0 else self.workspace / f"{job_name}.host{index}.log"
+                self.emulator.log_files[(pod.namespace, name)] = host_log
+            self._pin_counted_fault(job_name)
+            if self._fault(job_name) or not self.run_containers:
+                log.write_text(f"container of {job_name} started\n")
+                await self._pod_status(pod, running_status(image))
+                self._spawn(self._simulate_end(pod))
+                return
+            manifest = copy.deepcopy(job)
+            manifest["spec"]["template"]["spec"]["containers"][0].setdefault("env", []).append(
+                {"name": "KUBECONFIG", "value": self._pod_kubeconfig(pod, template["spec"])}
+            )
+            self.local.launch(
+                manifest, on_exit=lambda outcome: self._exited(pod, outcome), secrets=values
+            )
+            pod.running = True
+            await self._pod_status(pod, running_status(image))
+
+    def _pod_kubeconfig(self, pod: _Pod, pod_spec: dict[str, Any]) -> str:
+        return pod_kubeconfig(self.workspace, self._base_url, pod.namespace, pod_spec)
+
+    def _secret_values(self, pod: _Pod, pod_spec: dict[str, Any]) -> dict[str, dict[str, str]]:
+        return secret_values(
+            lambda name: self.emulator.find("secrets", pod.namespace, name), pod.namespace, pod_spec
+        )
+
+    async def _failed_create(self, pod: _Pod) -> None:
+        event_name = f"{pod.job['metadata']['name']}.{secrets.token_hex(4)}"
+        event = quota_event(pod.job, event_name, pod.name)
+        await self._request("POST", f"/api/v1/namespaces/{pod.namespace}/events", event)
+
+    # -- ending -----------------------------------------------------------------------------
+
+    def _exited(self, pod: _Pod, outcome: PodExit) -> None:
+        assert self._loop is not None
+        asyncio.run_coroutine_threadsafe(self._container_ended(pod, outcome), self._loop)
+
+    async def _container_ended(self, pod: _Pod, outcome: PodExit) -> None:
+        async with pod.lock:
+            pod.running = False
+            self.emulator.finished_logs.update((pod.namespace, n) for n in pod.names)
+            if pod.terminating:
+                await self._remove(pod)
+                return
+            code = outcome.exit_code if outcome.exit_code is not None else 137
+            await self._finish(pod, code if code >= 0 else 128 - code)
+
+    async def _finish(
+        self,
+        pod: _Pod,
+        exit_code: int,
+        reason: str | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        image = pod.job["spec"]["template"]["spec"]["containers"][0]["image"]
+        job_name = pod.job["metadata"]["name"]
+        self.finished_at[job_name] = time.time()
+        codes = self.local.host_exit_codes(job_name) if len(pod.names) > 1 else []
+        if len(codes) == len(pod.names):
+            for name, code in zip(pod.names, codes, strict=True):
+                code = 137 if code is None else (code if code >= 0 else 128 - code)
+                status = terminated_status(image, code, reason, extra)
+                await self._pod_status(pod, status, [name])
+        else:
+            await self._pod_status(pod, terminated_status(image, exit_code, reason, extra))
+        await self._job_status(pod, finished_job_status(exit_code))
+
+    async def _simulate_end(self, pod: _Pod) -> None:
+        async with pod.lock:
+            fault = self._fault(pod.job["metadata"]["name"])
+            if pod.terminating or fault == "hang":
+                return
+            self.emulator.finished_logs.add((pod.namespace, pod.name))
+            if fault is None:
+                await self._finish(pod, 0)
+            elif fault == "oom":
+                await self._finish(pod, 137, reason="OOMKilled")
+            elif fault == "evict":
+                await self._finish(
+                    pod,
+                    137,
+                    extra={
+                        "reason": "Evicted",
+                        "message": "The node was low on resource: memory.",
+                    },
+                )
+            elif fault == "preempt":
+                await self._finish(
+                    pod,
+                    143,
+                    extra={
+                        "conditions": [
+                            {"type": "PodScheduled", "status": "True"},
+                            {
+                                "type": "DisruptionTarget",
+                                "status": "True",
+                                "reason": "TerminationByKubelet",
+                                "message": "Pod was terminated: imminent node shutdown.",
+                            },
+                        ]
+                    },
+                )
+                await self._request("DELETE", self._pod_path(pod))
+            elif fault == "deadline":
+                condition = {
+                    "status": "True",
+                    "reason": "DeadlineExceeded",
+                    "message": "Job was active longer than specified deadline",
+                }
+                await self._job_status(
+                    pod, {"conditions": [{"type": "FailureTarget", **condition}]}
+                )
+                await self._request("DELETE", self._pod_path(pod))
+                await self._job_status(
+                    pod,
+                    {
+                        "conditions": [
+                            {"type": "FailureTarget", **condition},
+                            {"type": "Failed", **condition},
+                        ]
+                    },
+                )
+
+    def _fault(self, job_name: str) -> str | None:
+        return self.faults_by_job.get(job_name, self.fault)
+
+    def _pin_counted_fault(self, job_name: str) -> None:
+        if self.fault is None or self.fault_pods_left is None or job_name in self.faults_by_job:
+            return
+        self.faults_by_job[job_name] = self.fault
+        self.fault_pods_left -= 1
+        if self.fault_pods_left <= 0:
+            self.fault, self.fault_pods_left = None, None
+
+    async def publish_nodes(self) -> None:
+        """Show the scheduler's nodes through the API, as `kubectl get nodes` would."""
+        for node in self.nodes:
+            await self._request("POST", "/api/v1/nodes", node.as_object())
+
+    async def _terminate(self, pod: _Pod) -> None:
+        """The Job is being deleted: stop the container, then remove the pod and the Job."""
+        async with pod.lock:
+            if pod.running:
+                self.local.cancel(pod.job["metadata"]["name"])  # `_container_ended` removes it
+                return
+            await self._remove(pod)
+
+    async def _remove(self, pod: _Pod) -> None:
+        for name in pod.names:
+            self.emulator.finished_logs.add((pod.namespace, name))
+            await self._request("DELETE", self._pod_path(pod, name=name))
+        await self._release_job(pod.job)
+
+    async def _release_job(self, job: dict[str, Any]) -> None:
+        meta = job["metadata"]
+        current = self.emulator.find(JOBS, meta["namespace"], meta["name"])
+        if current is not None and current["metadata"].get("finalizers"):
+            path = f"/apis/batch/v1/namespaces/{meta['namespace']}/jobs/{meta['name']}"
+            await self._request("PATCH", path, {"metadata": {"finalizers": []}})

@@ -1,0 +1,1 @@
+"""Tests that need no server, pod or cluster: settings, manifests, packaging, layering."""

@@ -1,0 +1,104 @@
+"""Settings resolution order: resources() > runner > block > KINETIC_* env > defaults."""
+
+from __future__ import annotations
+
+import pytest
+
+from kinetic_prefect.errors import ConfigurationError
+from kinetic_prefect.launch.settings import current_overrides, resolve_settings, resources
+
+
+def test_defaults_are_cpu_on_the_local_backend():
+    settings = resolve_settings(environ={})
+
+    assert (settings.accelerator, settings.backend) == ("cpu", "local")
+
+
+def test_each_layer_overrides_the_ones_below_it():
+    environ = {
+        "KINETIC_ACCELERATOR": "t4",
+        "KINETIC_TIMEOUT_SECONDS": "10",
+        "KINETIC_NAMESPACE": "env",
+    }
+    settings = resolve_settings(
+        environ=environ,
+        block={"accelerator": "l4", "timeout_seconds": 20},
+        runner={"accelerator": "a100", "max_parallel": None},
+        overrides={"accelerator": "h100"},
+    )
+
+    assert (settings.accelerator, settings.timeout_seconds, settings.namespace) == (
+        "h100",
+        20,
+        "env",
+    )
+
+
+def test_env_settings_merge_across_layers():
+    settings = resolve_settings(
+        environ={}, runner={"env": {"A": "1", "B": "1"}}, overrides={"env": {"B": "2"}}
+    )
+
+    assert dict(settings.env) == {"A": "1", "B": "2"}
+
+
+def test_resources_overrides_nest_and_unwind():
+    with resources(accelerator="l4"), resources(spot=True):
+        inner = current_overrides()
+
+    assert inner == {"accelerator": "l4", "spot": True}
+    assert current_overrides() == {}
+
+
+def test_unknown_setting_in_resources_lists_valid_settings():
+    with (
+        pytest.raises(ConfigurationError, match="valid settings are: accelerator"),
+        resources(acelerator="l4"),
+    ):
+        pass
+
+
+def test_a_misspelled_setting_is_named_with_the_setting_it_is_close_to():
+    with pytest.raises(ConfigurationError, match=r"warm_pod \(did you mean warm_pods\?\)"):
+        resolve_settings(environ={}, runner={"warm_pod": True})
+
+
+def test_invalid_environment_value_names_the_variable():
+    with pytest.raises(ConfigurationError, match="KINETIC_MAX_PARALLEL"):
+        resolve_settings(environ={"KINETIC_MAX_PARALLEL": "many"})
+
+
+def test_gke_backend_without_a_jobs_bucket_says_what_to_set():
+    settings = resolve_settings(environ={}, runner={"backend": "gke"})
+
+    with pytest.raises(ConfigurationError, match="KINETIC_JOBS_BUCKET"):
+        settings.resolved_jobs_root()
+
+
+def test_warm_pod_settings_come_from_the_runner_the_block_or_kinetic_variables():
+    from_env = resolve_settings(
+        environ={"KINETIC_WARM_PODS": "true", "KINETIC_WARM_POD_IDLE_SECONDS": "120"}
+    )
+    from_block = resolve_settings(environ={}, block={"warm_pods": True})
+    from_runner = resolve_settings(environ={}, runner={"warm_pod_idle_seconds": 5})
+
+    assert (from_env.warm_pods, from_env.warm_pod_idle_seconds) == (True, 120.0)
+    assert (from_block.warm_pods, from_block.warm_pod_idle_seconds) == (True, 60.0)
+    assert (from_runner.warm_pods, from_runner.warm_pod_idle_seconds) == (False, 5)
+
+
+def test_a_warm_pod_idle_time_too_short_to_reuse_a_pod_is_refused_saying_what_to_use():
+    on_gcs = {"warm_pods": True, "warm_pod_idle_seconds": 2, "jobs_root": "gs://bucket/jobs"}
+
+    with pytest.raises(ConfigurationError, match=r"idle_seconds=1 leaves .* at least 2,"):
+        resolve_settings(environ={}, runner={"warm_pods": True, "warm_pod_idle_seconds": 1})
+    with pytest.raises(ConfigurationError, match=r"over 2s of its idle time .* at least 4,"):
+        resolve_settings(environ={}, runner=on_gcs)
+    assert resolve_settings(environ={}, runner={**on_gcs, "warm_pod_idle_seconds": 4}).warm_pods
+    with pytest.raises(ConfigurationError, match=r"over 2s of its idle time"):
+        resolve_settings(environ={}, runner={"backend": "gke", **on_gcs, "jobs_root": None})
+
+
+def test_a_warm_pod_idle_time_that_is_not_positive_is_refused():
+    with pytest.raises(ConfigurationError, match="warm_pod_idle_seconds must be a positive"):
+        resolve_settings(environ={}, runner={"warm_pod_idle_seconds": 0})

@@ -1,0 +1,119 @@
+"""The Job manifest contract of DESIGN.md, checked with kubernetes-validate (strict)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import kubernetes_validate
+import pytest
+
+from kinetic_prefect.launch.accelerators import parse_accelerator
+from kinetic_prefect.launch.manifest import (
+    LaunchSpec,
+    SecretRef,
+    build_job_manifest,
+    new_job_id,
+)
+
+SECRET = "pnu_test_key_0123456789"
+
+
+def _spec(accelerator: str = "cpu", **changes: object) -> LaunchSpec:
+    values: dict[str, object] = dict(
+        job_id=new_job_id("train model"),
+        task_name="train model",
+        task_run_id="7c8f5a56-6a43-4b8e-9b7a-1f0e1c2d3e4f",
+        flow_run_id="0b9c1d2e-3f40-4a5b-8c6d-7e8f90a1b2c3",
+        accelerator=parse_accelerator(accelerator),
+        image="python:3.11-slim",
+        namespace="ml",
+        payload_uri="gs://jobs/kinetic/j/payload.pkl",
+        payload_sha256="a" * 64,
+        context_uri="gs://jobs/kinetic/j/context.zip",
+        context_sha256="b" * 64,
+        job_dir_uri="gs://jobs/kinetic/j",
+        output_dir="gs://jobs/outputs/f/train-0",
+        env={"PREFECT_API_URL": "https://prefect.example/api"},
+        secret_env=(SecretRef("PREFECT_API_KEY", "kinetic-prefect-api", "api-key"),),
+        timeout_seconds=3600,
+    )
+    values.update(changes)
+    return LaunchSpec(**values)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("accelerator", ["cpu", "l4x2:spot", "tpu-v5e-4", "h100x8", "tpu-v6e-16"])
+def test_manifest_passes_strict_kubernetes_validation(accelerator: str):
+    manifest = build_job_manifest(_spec(accelerator))
+
+    kubernetes_validate.validate(manifest, kubernetes_validate.latest_version(), strict=True)
+
+
+def test_kubernetes_never_retries_or_restarts_the_pod():
+    manifest = build_job_manifest(_spec())
+
+    assert manifest["spec"]["backoffLimit"] == 0
+    assert manifest["spec"]["template"]["spec"]["restartPolicy"] == "Never"
+
+
+def test_deadline_and_ttl_come_from_the_spec():
+    spec = build_job_manifest(_spec(timeout_seconds=120, ttl_seconds_after_finished=60))["spec"]
+
+    assert (spec["activeDeadlineSeconds"], spec["ttlSecondsAfterFinished"]) == (120, 60)
+
+
+def test_labels_identify_job_task_run_and_flow_run_but_never_prefects_own_flow_run_label():
+    manifest = build_job_manifest(_spec())
+    labels = manifest["spec"]["template"]["metadata"]["labels"]
+
+    assert labels == manifest["metadata"]["labels"]
+    assert labels["app.kubernetes.io/managed-by"] == "kinetic-prefect"
+    assert labels["kinetic-prefect.io/job-id"] == manifest["metadata"]["name"]
+    assert labels["kinetic-prefect.io/task-run-id"] == "7c8f5a56-6a43-4b8e-9b7a-1f0e1c2d3e4f"
+    assert labels["kinetic-prefect.io/flow-run-id"] == "0b9c1d2e-3f40-4a5b-8c6d-7e8f90a1b2c3"
+    assert "prefect.io/flow-run-id" not in labels
+
+
+def test_api_key_comes_from_a_secret_ref_and_is_never_a_literal():
+    manifest = build_job_manifest(_spec())
+    env = manifest["spec"]["template"]["spec"]["containers"][0]["env"]
+
+    assert {
+        "name": "PREFECT_API_KEY",
+        "valueFrom": {"secretKeyRef": {"name": "kinetic-prefect-api", "key": "api-key"}},
+    } in env
+    assert SECRET not in json.dumps(manifest)
+
+
+def test_container_runs_the_pod_module_with_artifact_uris_and_hashes():
+    container = build_job_manifest(_spec())["spec"]["template"]["spec"]["containers"][0]
+
+    assert container["command"] == ["python", "-m", "kinetic_prefect.pod"]
+    assert container["args"][container["args"].index("--payload-sha256") + 1] == "a" * 64
+    assert (
+        container["args"][container["args"].index("--context") + 1]
+        == "gs://jobs/kinetic/j/context.zip"
+    )
+
+
+def test_gpu_accelerator_sets_selector_limit_and_toleration():
+    pod = build_job_manifest(_spec("l4x2"))["spec"]["template"]["spec"]
+
+    assert pod["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-l4"}
+    assert pod["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "2"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
+        "tolerations"
+    ]
+
+
+def test_job_names_are_dns_labels_of_at_most_63_characters():
+    names = [new_job_id(name) for name in ["Train Model!", "x" * 200, "___", "ünïcode task"]]
+
+    assert all(re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", n) and len(n) <= 63 for n in names)
+
+
+def test_task_pods_get_no_service_account_token():
+    pod = build_job_manifest(_spec(service_account="kinetic-prefect-pods"))["spec"]["template"]
+
+    assert pod["spec"]["serviceAccountName"] == "kinetic-prefect-pods"
+    assert pod["spec"]["automountServiceAccountToken"] is False

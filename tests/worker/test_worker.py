@@ -1,0 +1,577 @@
+"""`KineticWorker`: deployed flow runs in pods of their own, against a real `prefect server start`.
+
+The module's server demands an auth string of every client. Pods on the local
+backend inherit no `PREFECT_*` variable from the worker, so a flow pod (and
+the task pods it launches) can only reach the API if the secret travelled
+through the manifest's Secret refs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shlex
+import signal
+import sys
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from prefect.client.schemas.actions import DeploymentScheduleCreate
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterTaskRunId,
+    DeploymentFilter,
+    DeploymentFilterId,
+    FlowRunFilter,
+    FlowRunFilterId,
+)
+from prefect.client.schemas.objects import FlowRun
+from prefect.client.schemas.schedules import IntervalSchedule
+from prefect.settings import (
+    PREFECT_API_AUTH_STRING,
+    PREFECT_API_KEY,
+    PREFECT_API_URL,
+    temporary_settings,
+)
+from prefect.states import Cancelling
+
+from kinetic_prefect.common.records import FINAL_STATE_JSON, FinalRecord
+from kinetic_prefect.launch.manifest import (
+    LABEL_FLOW_RUN_ID,
+    LABEL_JOB_ID,
+    LABEL_MANAGED_BY,
+    LABEL_TASK_RUN_ID,
+    container_of,
+)
+from kinetic_prefect.worker.worker import KineticJobConfiguration, KineticWorker, plan_flow_pod
+from tests.support import deployed_flows
+from tests.support.pod_env import service_account_token
+from tests.support.prefect_server import PrefectServer, prefect_server, prefect_worker
+from tests.support.waiting import wait_until
+
+REPO = Path(__file__).resolve().parents[2]
+POOL = "kinetic"  # the pool deployments/prefect.yaml deploys to
+SWEEP = "quickstart-sweep/sweep"
+NIGHTLY = "quickstart-sweep/nightly-retrain"
+AUTH_STRING = "kinetic:worker-test-secret"
+SMALL_SWEEP = {"configs": [{"lr": 0.3, "hidden": 8}, {"lr": 1.0, "hidden": 16}], "steps": 20}
+ONE_TRIAL = {"configs": [{"lr": 0.3, "hidden": 8}], "steps": 10}
+# Enough SGD steps to keep a trial training for minutes.
+ENDLESS_TRIAL = {"configs": [{"lr": 0.3, "hidden": 8}], "steps": 5_000_000}
+JOB_VARIABLES = {
+    "accelerator",
+    "spot",
+    "image",
+    "env",
+    "cluster",
+    "timeout_seconds",
+    "namespace",
+    "flow_service_account",
+}
+CANCEL_GRACE_SECONDS = 5
+# How long a pod may take to hear of a cancellation through Prefect's events.
+CANCEL_NOTICE_SECONDS = 15
+FLOW_RUN_TIMEOUT = 180
+GKE_POOL = "kinetic-gke"
+DEADLINE_SECONDS = 15
+
+
+@dataclass
+class Stack:
+    server: PrefectServer
+    jobs_root: Path
+
+    @property
+    def outputs(self) -> Path:
+        return self.jobs_root / "outputs"
+
+
+def pod_processes(outputs: Path, flow_run_id: object = None) -> dict[int, str]:
+    """Live processes of the flow run's pods (all runs' without an id), pid -> output key.
+
+    Every process of a pod carries the pod's `KINETIC_OUTPUT_DIR`,
+    `{outputs}/{flow_run_id}/{flow|task key}`, in its environment.
+    """
+    prefix = f"{outputs}/{flow_run_id}/" if flow_run_id else f"{outputs}/"
+    found: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            environ = Path("/proc", entry, "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        for item in environ:
+            name, _, value = item.decode(errors="replace").partition("=")
+            if name == "KINETIC_OUTPUT_DIR" and value.startswith(prefix):
+                found[int(entry)] = value.rsplit("/", 1)[-1]
+    return found
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, prefect_database: Path) -> Iterator[Stack]:
+    """Server, `kinetic` pool and the prefect.yaml deployments, all made through the CLI.
+
+    `make test` keeps this module on one pytest-xdist worker (`ONE_WORKER_FOLDERS` in
+    tests/support/scheduling.py), so the stack starts once per run.
+    """
+    root = tmp_path_factory.mktemp("kinetic-worker")
+    work = root / "work"
+    work.mkdir()
+    jobs_root = work / ".kinetic"
+    with prefect_server(
+        root / "server", auth_string=AUTH_STRING, database=prefect_database
+    ) as server:
+        server.cli("work-pool", "create", "--type", "kinetic", POOL)
+        server.cli(
+            "--no-prompt", "deploy", "--prefect-file", "deployments/prefect.yaml", "--all", cwd=REPO
+        )
+        with server.client() as client:
+            # Its cron could fall due while the module runs.
+            client.pause_deployment(client.read_deployment_by_name(NIGHTLY).id)
+        try:
+            with prefect_worker(
+                server,
+                POOL,
+                "kinetic",
+                work,
+                KINETIC_JOBS_ROOT=str(jobs_root),
+                KINETIC_CANCEL_GRACE_SECONDS=str(CANCEL_GRACE_SECONDS),
+                PREFECT_WORKER_QUERY_SECONDS="1",
+                # Prefect's opt-in: the worker stops pods of runs cancelled while Pending.
+                PREFECT_WORKER_ENABLE_CANCELLATION="true",
+            ) as worker:
+                yield Stack(server=server, jobs_root=jobs_root)
+                print(f"worker log:\n{worker.log_tail(200)}")
+        finally:
+            for pid in pod_processes(jobs_root / "outputs"):
+                os.kill(pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def client_of(server: PrefectServer) -> Iterator[None]:
+    """Settings that make this process a client of `server`, for Prefect's own calls.
+
+    Prefect's events and API-log workers are per-process singletons bound to the API
+    they first met; they are drained on the way in and out, so events sent under these
+    settings go to `server` and later tests' events to the session's API.
+    """
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    EventsWorker.drain_all()
+    APILogWorker.drain_all()
+    try:
+        with temporary_settings(
+            {PREFECT_API_URL: server.api_url, PREFECT_API_AUTH_STRING: server.auth_string}
+        ):
+            yield
+    finally:
+        EventsWorker.drain_all()
+        APILogWorker.drain_all()
+
+
+def wait_for_final_state(stack: Stack, client: Any, flow_run_id: uuid.UUID) -> Any:
+    def final() -> Any:
+        state = client.read_flow_run(flow_run_id).state
+        return state if state is not None and state.is_final() else None
+
+    return wait_until(final, FLOW_RUN_TIMEOUT, f"flow run {flow_run_id} to end")
+
+
+def task_runs_of(client: Any, flow_run_id: uuid.UUID) -> list[Any]:
+    return client.read_task_runs(
+        flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+    )
+
+
+def pod_job_id(client: Any, task_run_id: uuid.UUID) -> str:
+    """The job id in the "Kinetic pod" artifact the task runner attaches to a task run."""
+    artifacts = client.read_artifacts(
+        artifact_filter=ArtifactFilter(task_run_id=ArtifactFilterTaskRunId(any_=[task_run_id]))
+    )
+    for artifact in artifacts:
+        match = re.search(r"\| job id \| `([^`]+)` \|", str(artifact.data))
+        if match:
+            return match.group(1)
+    raise AssertionError(f"task run {task_run_id} has no Kinetic pod artifact")
+
+
+# Task pods that start as fresh processes: `pod_processes` finds pods by their environment
+# in /proc, which for a pod forked from the local template is the template's.
+FRESH_TASK_PODS = {"env": {"KINETIC_LOCAL_TEMPLATE": "0"}}
+
+
+def run_sweep(client: Any, parameters: dict[str, Any], **job_variables: Any) -> FlowRun:
+    deployment = client.read_deployment_by_name(SWEEP)
+    return client.create_flow_run_from_deployment(
+        deployment.id, parameters=parameters, job_variables=job_variables or None
+    )
+
+
+# -- the work pool type and the block types, through Prefect's CLI ------------------------
+
+
+def test_block_register_finds_the_kinetic_block_types_in_the_package(stack: Stack):
+    result = stack.server.cli("block", "register", "-m", "kinetic_prefect")
+
+    with stack.server.client() as client:
+        block_type = client.read_block_type_by_slug("kinetic-cluster")
+    assert "Kinetic Cluster" in result.stdout
+    assert "Kinetic GCP Credentials" in result.stdout
+    assert block_type.name == "Kinetic Cluster"
+
+
+def test_work_pool_create_gives_a_kinetic_pool_the_kinetic_job_variables(stack: Stack):
+    with stack.server.client() as client:
+        pool = client.read_work_pool(POOL)
+
+    template = pool.base_job_template
+    assert pool.type == "kinetic"
+    assert set(template["variables"]["properties"]) >= JOB_VARIABLES
+    assert {template["job_configuration"][name] for name in JOB_VARIABLES} == {
+        "{{ " + name + " }}" for name in JOB_VARIABLES
+    }
+
+
+def test_prefect_yaml_deploys_a_nightly_cron_retrain_and_an_on_demand_sweep(stack: Stack):
+    with stack.server.client() as client:
+        nightly = client.read_deployment_by_name(NIGHTLY)
+        sweep = client.read_deployment_by_name(SWEEP)
+
+    assert (nightly.work_pool_name, sweep.work_pool_name) == (POOL, POOL)
+    assert [s.schedule.cron for s in nightly.schedules] == ["0 3 * * *"]
+    assert sweep.schedules == []
+    assert sweep.entrypoint == "flows/quickstart.py:quickstart_sweep"
+
+
+# -- running deployments ---------------------------------------------------------------
+
+
+def test_deployed_sweep_runs_in_a_flow_pod_whose_tasks_run_in_pods_of_their_own(stack: Stack):
+    with stack.server.client() as client:
+        flow_run = run_sweep(client, SMALL_SWEEP)
+        final = wait_for_final_state(stack, client, flow_run.id)
+        flow_job = client.read_flow_run(flow_run.id).infrastructure_pid
+        task_runs = task_runs_of(client, flow_run.id)
+        task_jobs = [pod_job_id(client, task_run.id) for task_run in task_runs]
+
+    records = [
+        FinalRecord.from_json((stack.jobs_root / "kinetic" / job / FINAL_STATE_JSON).read_bytes())
+        for job in task_jobs
+    ]
+    assert final.is_completed(), final.message
+    assert [t.state.type.value for t in task_runs] == ["COMPLETED", "COMPLETED"]
+    assert flow_job.startswith("kp-")
+    assert (stack.jobs_root / "pods" / f"{flow_job}.log").exists()
+    assert len({flow_job, *task_jobs}) == 3
+    assert [r.state_type for r in records] == ["COMPLETED", "COMPLETED"]
+
+
+def test_interval_schedule_runs_are_created_by_the_scheduler_and_run_by_the_worker(stack: Stack):
+    with stack.server.client() as client:
+        sweep = client.read_deployment_by_name(SWEEP)
+        # Daily, first due in a few seconds: exactly one run falls due during the test.
+        schedule = IntervalSchedule(
+            interval=timedelta(days=1), anchor_date=datetime.now(UTC) + timedelta(seconds=5)
+        )
+        deployment_id = client.create_deployment(
+            flow_id=sweep.flow_id,
+            name="daily-sweep",
+            work_pool_name=POOL,
+            entrypoint=sweep.entrypoint,
+            pull_steps=sweep.pull_steps,
+            parameter_openapi_schema=sweep.parameter_openapi_schema,
+            parameters=ONE_TRIAL,
+            schedules=[DeploymentScheduleCreate(schedule=schedule, active=True)],
+        )
+
+        def first_scheduled_run() -> Any:
+            runs = client.read_flow_runs(
+                deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id]))
+            )
+            return min(runs, key=lambda r: r.expected_start_time) if runs else None
+
+        scheduled = wait_until(first_scheduled_run, 30, "the scheduler to create a run")
+        final = wait_for_final_state(stack, client, scheduled.id)
+        ran = client.read_flow_run(scheduled.id)
+        client.delete_deployment(deployment_id)
+
+    assert scheduled.auto_scheduled
+    assert final.is_completed(), final.message
+    assert ran.infrastructure_pid.startswith("kp-")
+
+
+def test_cancelling_a_running_flow_run_stops_its_flow_and_task_pods_within_the_grace_period(
+    stack: Stack,
+):
+    with stack.server.client() as client:
+        flow_run = run_sweep(client, ENDLESS_TRIAL, **FRESH_TASK_PODS)
+        wait_until(
+            lambda: (
+                {"flow", "train"}
+                <= {key.split("-")[0] for key in pod_processes(stack.outputs, flow_run.id).values()}
+            ),
+            FLOW_RUN_TIMEOUT,
+            "the flow pod and its task pod to run",
+        )
+
+        client.set_flow_run_state(flow_run.id, Cancelling())
+
+        wait_until(
+            lambda: not pod_processes(stack.outputs, flow_run.id),
+            CANCEL_GRACE_SECONDS + CANCEL_NOTICE_SECONDS,
+            "every pod of the flow run to end",
+        )
+        final = wait_for_final_state(stack, client, flow_run.id)
+        task_states = {t.state.type.value for t in task_runs_of(client, flow_run.id)}
+
+    assert final.is_cancelled(), final.message
+    assert task_states == {"CANCELLED"}
+
+
+def test_cancelling_a_flow_run_whose_pod_has_not_started_the_flow_stops_the_pod(stack: Stack):
+    # A pod stuck before `prefect flow-run execute` (as if pulling its image) keeps its
+    # flow run Pending: only the worker can stop it.
+    stuck = f"{shlex.quote(sys.executable)} -c 'import threading; threading.Event().wait()'"
+    with stack.server.client() as client:
+        flow_run = run_sweep(client, ONE_TRIAL, command=stuck)
+        wait_until(
+            lambda: (
+                pod_processes(stack.outputs, flow_run.id)
+                and client.read_flow_run(flow_run.id).infrastructure_pid
+            ),
+            60,
+            "the worker to start the flow pod",
+        )
+
+        client.set_flow_run_state(flow_run.id, Cancelling())
+
+        wait_until(
+            lambda: not pod_processes(stack.outputs, flow_run.id),
+            CANCEL_GRACE_SECONDS + CANCEL_NOTICE_SECONDS,
+            "the flow pod to end",
+        )
+        final = wait_for_final_state(stack, client, flow_run.id)
+
+    assert final.is_cancelled(), final.message
+
+
+def test_a_flow_pod_past_its_deadline_is_stopped_with_its_pods_and_its_run_crashes(
+    stack: Stack,
+):
+    with stack.server.client() as client:
+        flow_run = run_sweep(
+            client, ENDLESS_TRIAL, timeout_seconds=DEADLINE_SECONDS, **FRESH_TASK_PODS
+        )
+
+        final = wait_for_final_state(stack, client, flow_run.id)
+        wait_until(
+            lambda: not pod_processes(stack.outputs, flow_run.id),
+            CANCEL_GRACE_SECONDS + CANCEL_NOTICE_SECONDS,
+            "every pod of the flow run to end",
+        )
+
+    assert final.is_crashed()
+    assert f"deadline of {DEADLINE_SECONDS}s" in final.message
+
+
+def rbac_service_accounts() -> tuple[str, str]:
+    """(flow pods' account, task pods' account) as deployments/k8s/rbac.yaml ships them.
+
+    The first is the one bound to the runner Role; the second the one with no token.
+    """
+    documents = list(yaml.safe_load_all((REPO / "deployments/k8s/rbac.yaml").read_text()))
+    (binding,) = [d for d in documents if d["kind"] == "RoleBinding"]
+    (runner,) = [s["name"] for s in binding["subjects"] if s["kind"] == "ServiceAccount"]
+    (pods,) = [
+        d["metadata"]["name"]
+        for d in documents
+        if d["kind"] == "ServiceAccount" and d.get("automountServiceAccountToken") is False
+    ]
+    return runner, pods
+
+
+def test_deployed_flow_on_gke_runs_as_the_runner_account_and_launches_its_task_pods_there(
+    stack: Stack, gcs, cluster, tmp_path: Path
+):
+    from prefect.utilities.callables import parameter_schema
+    from prefect_gcp.cloud_storage import GcsBucket
+
+    from kinetic_prefect.blocks import KineticCluster, KineticGcpCredentials
+
+    runner_account, pods_account = rbac_service_accounts()
+    server = stack.server
+    with client_of(server):
+        GcsBucket(
+            bucket=gcs.name, bucket_folder="results", gcp_credentials=KineticGcpCredentials()
+        ).save(deployed_flows.GKE_RESULTS, overwrite=True)
+        KineticCluster(
+            backend="gke",
+            jobs_bucket=gcs.uri,
+            service_account=pods_account,
+            result_storage=GcsBucket.load(deployed_flows.GKE_RESULTS),
+            env=gcs.pod_env,
+        ).save(deployed_flows.GKE_CLUSTER, overwrite=True)
+    server.cli("work-pool", "create", "--type", "kinetic", GKE_POOL)
+    worker_dir = tmp_path / "gke-worker"
+    worker_dir.mkdir()
+    with (
+        server.client() as client,
+        prefect_worker(server, GKE_POOL, "kinetic", worker_dir, KINETIC_ALLOW_LOOPBACK_API="true"),
+    ):
+        sweep = client.read_deployment_by_name(SWEEP)
+        deployment_id = client.create_deployment(
+            flow_id=client.create_flow_from_name(deployed_flows.cubes_on_gke.name),
+            name="cubes-on-gke",
+            work_pool_name=GKE_POOL,
+            entrypoint="tests/support/deployed_flows.py:cubes_on_gke",
+            pull_steps=sweep.pull_steps,
+            parameter_openapi_schema=parameter_schema(deployed_flows.cubes_on_gke).model_dump(),
+            job_variables={"cluster": deployed_flows.GKE_CLUSTER},
+        )
+        flow_run = client.create_flow_run_from_deployment(deployment_id, parameters={"xs": [2, 3]})
+        final = wait_for_final_state(stack, client, flow_run.id)
+        flow_job = client.read_flow_run(flow_run.id).infrastructure_pid
+        task_run_ids = {str(t.id) for t in task_runs_of(client, flow_run.id)}
+    with client_of(server):
+        result = final.result()
+
+    created = {body["metadata"]["name"]: (token, body) for token, body in cluster.job_creations()}
+    flow_pod = created[flow_job][1]["spec"]["template"]["spec"]
+    task_jobs = [
+        (token, body)
+        for token, body in created.values()
+        if LABEL_TASK_RUN_ID in body["metadata"]["labels"]
+    ]
+    assert final.is_completed(), final.message
+    assert result == [8, 27]
+    assert (flow_pod["serviceAccountName"], flow_pod["automountServiceAccountToken"]) == (
+        runner_account,
+        True,
+    )
+    assert {body["metadata"]["labels"][LABEL_TASK_RUN_ID] for _, body in task_jobs} == (
+        task_run_ids
+    )
+    assert {body["spec"]["template"]["spec"]["serviceAccountName"] for _, body in task_jobs} == {
+        pods_account
+    }
+    assert {token for token, _ in task_jobs} == {service_account_token("default", runner_account)}
+
+
+# -- the flow pod's manifest -----------------------------------------------------------
+
+
+@pytest.fixture
+def prepared(workdir: Path) -> Iterator[tuple[FlowRun, KineticJobConfiguration]]:
+    """A flow run and its job configuration as the worker prepares them, API secrets set."""
+    flow_run = FlowRun(id=uuid.uuid4(), name="brave-otter", flow_id=uuid.uuid4())
+    configuration = KineticJobConfiguration(
+        accelerator="l4", timeout_seconds=600, labels={"team": "ml"}
+    )
+    with temporary_settings(
+        {
+            PREFECT_API_URL: "https://prefect.example.com/api",
+            PREFECT_API_KEY: "pnu_not-for-manifests",
+            PREFECT_API_AUTH_STRING: "admin:not-for-manifests",
+        }
+    ):
+        configuration.prepare_for_flow_run(flow_run)
+        yield flow_run, configuration
+
+
+def test_flow_pod_manifest_carries_prefect_secrets_only_as_secret_refs(prepared):
+    flow_run, configuration = prepared
+
+    plan = plan_flow_pod(flow_run, configuration)
+
+    env = {item["name"]: item for item in container_of(plan.manifest)["env"]}
+    (secret_name,) = plan.backend_secrets()
+    assert "not-for-manifests" not in json.dumps(plan.manifest)
+    assert env["PREFECT_API_KEY"]["valueFrom"]["secretKeyRef"] == {
+        "name": secret_name,
+        "key": "prefect-api-key",
+    }
+    assert env["PREFECT_API_AUTH_STRING"]["valueFrom"]["secretKeyRef"] == {
+        "name": secret_name,
+        "key": "prefect-api-auth-string",
+    }
+    assert plan.backend_secrets()[secret_name] == {
+        "prefect-api-key": "pnu_not-for-manifests",
+        "prefect-api-auth-string": "admin:not-for-manifests",
+    }
+
+
+def test_flow_pod_runs_prefect_flow_run_execute_with_flow_labels_and_the_flow_output_dir(
+    prepared, workdir: Path
+):
+    flow_run, configuration = prepared
+
+    manifest = plan_flow_pod(flow_run, configuration).manifest
+
+    container = container_of(manifest)
+    env = {item["name"]: item.get("value") for item in container["env"]}
+    labels = manifest["spec"]["template"]["metadata"]["labels"]
+    kubernetes_validate.validate(manifest, kubernetes_validate.latest_version(), strict=True)
+    assert container["command"] == ["python", "-m", "prefect", "flow-run", "execute"]
+    assert env["PREFECT__FLOW_RUN_ID"] == str(flow_run.id)
+    assert env["PREFECT_API_URL"] == "https://prefect.example.com/api"
+    assert env["KINETIC_OUTPUT_DIR"] == f"{workdir}/.kinetic/outputs/{flow_run.id}/flow"
+    assert labels[LABEL_FLOW_RUN_ID] == str(flow_run.id)
+    assert labels[LABEL_JOB_ID] == manifest["metadata"]["name"]
+    assert labels[LABEL_MANAGED_BY] == "kinetic-prefect"
+    assert labels["team"] == "ml"
+    assert LABEL_TASK_RUN_ID not in labels
+    assert not any(key.startswith("prefect.io/") for key in labels)
+
+
+def test_flow_pod_takes_accelerator_and_deadline_from_job_variables(prepared):
+    flow_run, configuration = prepared
+
+    manifest = plan_flow_pod(flow_run, configuration).manifest
+
+    pod_spec = manifest["spec"]["template"]["spec"]
+    assert pod_spec["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-l4"}
+    assert container_of(manifest)["resources"]["limits"] == {"nvidia.com/gpu": "1"}
+    assert manifest["spec"]["activeDeadlineSeconds"] == 600
+
+
+def test_flow_pod_hands_its_cluster_settings_down_to_the_flows_task_pods(prepared, workdir):
+    flow_run, configuration = prepared
+
+    manifest = plan_flow_pod(flow_run, configuration).manifest
+
+    env = {item["name"]: item.get("value") for item in container_of(manifest)["env"]}
+    assert env["KINETIC_BACKEND"] == "local"
+    assert env["KINETIC_JOBS_ROOT"] == f"{workdir}/.kinetic"
+    assert env["KINETIC_OUTPUT_ROOT"] == f"{workdir}/.kinetic/outputs"
+
+
+def test_flow_pod_runs_as_the_runner_with_its_token_and_its_task_pods_keep_the_clusters_account(
+    prepared, monkeypatch
+):
+    flow_run, configuration = prepared
+    monkeypatch.setenv("KINETIC_SERVICE_ACCOUNT", "kinetic-prefect-pods")
+
+    manifest = plan_flow_pod(flow_run, configuration).manifest
+
+    pod_spec = manifest["spec"]["template"]["spec"]
+    env = {item["name"]: item.get("value") for item in container_of(manifest)["env"]}
+    assert pod_spec["serviceAccountName"] == "kinetic-prefect-runner"
+    assert pod_spec["automountServiceAccountToken"] is True
+    assert env["KINETIC_SERVICE_ACCOUNT"] == "kinetic-prefect-pods"
+
+
+def test_kinetic_worker_is_the_kinetic_work_pool_type():
+    from prefect.workers.base import BaseWorker
+
+    assert BaseWorker.get_worker_class_from_type("kinetic") is KineticWorker
