@@ -157,6 +157,39 @@ def test_a_later_flow_run_restores_a_task_of_an_earlier_one(
     assert restored["w"] == _params(float(PRETRAIN_STEPS))["w"].tolist()
 
 
+@task(retries=1)
+def finetune_killed_once(base: Checkpoint) -> dict[str, Any]:
+    """Adds 1 to every parameter per step; its first pod is killed after saving step 1."""
+    import orbax.checkpoint as ocp
+
+    manager = checkpoint_manager()
+    latest = manager.latest_step()
+    if latest is None:
+        params, start = base.restore({"params": _params(0.0)}, partial=True)["params"], 0
+    else:
+        params, start = manager.restore(latest)["params"], latest + 1
+    for step in range(start, 4):
+        params = {k: v + 1.0 for k, v in params.items()}
+        manager.save(step, args=ocp.args.StandardSave({"params": params}))
+        manager.wait_until_finished()
+        if step == 1 and task_run.run_count == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+    return {"resumed_from": start, "w": params["w"].tolist()}
+
+
+def test_a_retried_fine_tune_resumes_from_its_own_checkpoint_not_the_upstreams():
+    @flow(task_runner=KineticTaskRunner())
+    def pipeline() -> tuple[Checkpoint, dict[str, Any]]:
+        base = pretrain.submit()
+        return base.result(), finetune_killed_once.submit(base).result()
+
+    base, tuned = pipeline()
+
+    assert tuned["resumed_from"] == 2
+    assert tuned["w"] == (_params(float(PRETRAIN_STEPS))["w"] + 4.0).tolist()
+    assert base.steps() == list(range(PRETRAIN_STEPS))
+
+
 def test_a_checkpoint_without_steps_names_its_directory(tmp_path):
     empty = Checkpoint(str(tmp_path / "nothing-here"))
 
