@@ -391,7 +391,3 @@ def doctor(
         failed = failed or check.level == "fail"
     if failed:
         raise typer.Exit(1)
-
-
-if __name__ == "__main__":
-    app()

@@ -31,7 +31,7 @@ from kinetic_prefect.pod.exit import FastExit
 fast_exit = FastExit()
 
 # What every pod imports before its task runs.
-PRELOADED = ("cloudpickle", "prefect", "prefect.task_engine", "kinetic_prefect.pod.runner")
+PRELOADED = ("cloudpickle", "prefect", "prefect.task_engine", "kinetic_prefect.pod.entrypoint")
 _MAX_MESSAGE = 1 << 20
 
 

@@ -53,3 +53,15 @@ def test_the_pod_entrypoint_runs_as_a_module():
 
     assert result.returncode == 0
     assert "--payload-sha256" in result.stdout
+
+
+def test_the_cli_runs_as_a_module():
+    result = subprocess.run(
+        [sys.executable, "-m", "kinetic_prefect.cli", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+    assert result.returncode == 0, result.stderr
+    assert "accelerators" in result.stdout
