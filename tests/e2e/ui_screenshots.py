@@ -2,8 +2,8 @@
 
 Run by `make e2e` after `make demo` (a local server with a finished quickstart
 sweep) and `flows/pretrain_finetune.py` (the checkpoint lineage: the pretrain's
-checkpoint materialized as an asset, referenced by each fine-tune). Uses Debian's chromium through Playwright's `executable_path`, so no
-browser is downloaded.
+checkpoint materialized as an asset, referenced by each fine-tune). Uses Debian's
+chromium through Playwright's `executable_path`, so no browser is downloaded.
 """
 
 from __future__ import annotations
