@@ -30,6 +30,8 @@ LOCAL_FALLBACK_ROOT = Path(".kinetic") / "outputs" / "local"
 # The default output root outside a pod (a local runner's `{jobs root}/outputs`).
 LOCAL_OUTPUT_ROOT = Path(".kinetic") / "outputs"
 CHECKPOINTS = "checkpoints"
+# The item a checkpoint saved without `ocp.args.Composite` is stored under.
+DEFAULT_ITEM = "default"
 
 
 def output_dir() -> str:
@@ -251,26 +253,48 @@ class Checkpoint:
         _record_asset("prefect.asset.referenced", self.uri)
         step = self.resolved_step()
         manager = self._manager()
-        saved = manager.item_metadata(step)
-        items = dict(saved.items()) if isinstance(saved, ocp.args.Composite) else None
+        items = self._items(step)
+        single = items == [DEFAULT_ITEM]
         if template is None:
             restored = manager.restore(step)
-            return dict(restored.items()) if items is not None else restored
-        if items is None:
-            _check_template(template, _tree_of(saved), partial, self.directory)
+            return restored if single else dict(restored.items())
+        if single:
+            _check_template(template, self._saved_tree(step), partial, self.directory)
             return manager.restore(
                 step, args=ocp.args.PyTreeRestore(item=template, partial_restore=partial)
             )
         if not isinstance(template, dict) or not set(template) <= set(items):
             raise CheckpointError(
-                f"{self.directory} step {step} holds the items {sorted(items)}: pass a dict "
-                "of templates keyed by the items to restore."
+                f"{self.directory} step {step} holds the items {items}: pass a dict of "
+                "templates keyed by the items to restore."
             )
         args = {}
         for name, item_template in template.items():
-            _check_template(item_template, _tree_of(items[name]), partial, self.directory, name)
+            saved = self._saved_tree(step, name)
+            _check_template(item_template, saved, partial, self.directory, name)
             args[name] = ocp.args.PyTreeRestore(item=item_template, partial_restore=partial)
         return dict(manager.restore(step, args=ocp.args.Composite(**args)).items())
+
+    def _items(self, step: int) -> list[str]:
+        """The items a step holds: `default` for a single tree, else the Composite's names."""
+        from etils import epath
+
+        step_dir = epath.Path(self.directory) / str(step)
+        return sorted(p.name for p in step_dir.iterdir() if p.is_dir())
+
+    def _saved_tree(self, step: int, item: str = DEFAULT_ITEM) -> Any:
+        """The saved tree's structure (array metadata at its leaves), read without the arrays."""
+        import orbax.checkpoint as ocp
+        from etils import epath
+
+        path = epath.Path(self.directory) / str(step) / item
+        try:
+            return ocp.PyTreeCheckpointHandler().metadata(path).tree
+        except Exception as exc:
+            raise CheckpointError(
+                f"Item {item!r} of {self.directory} step {step} is not a saved pytree ({exc}); "
+                "restore it without a template."
+            ) from exc
 
     def metadata(self) -> dict[str, Any]:
         """The step's custom metadata and metrics, as `CheckpointManager.save` stored them."""
@@ -295,10 +319,6 @@ def _current_output_root() -> str:
     if configured:
         return configured.rstrip("/").rsplit("/", 2)[0]
     return str(LOCAL_OUTPUT_ROOT.absolute())
-
-
-def _tree_of(saved: Any) -> Any:
-    return getattr(saved, "tree", saved)
 
 
 def _paths(tree: Any) -> Iterator[str]:
