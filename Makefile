@@ -54,6 +54,7 @@ e2e: $(VENV)/.synced
 	@test -x /usr/bin/chromium || (echo "make e2e needs Debian's chromium: apt-get install chromium" && exit 1)
 	$(UV) sync --frozen --compile-bytecode --group e2e --python $(PYTHON)
 	$(MAKE) demo
+	$(VENV)/bin/python deployments/local_server.py -- $(VENV)/bin/python flows/pretrain_finetune.py
 	$(VENV)/bin/python deployments/local_server.py -- $(VENV)/bin/python tests/e2e/ui_screenshots.py
 
 demo-stop: $(VENV)/.synced

@@ -20,6 +20,7 @@ from typing import Any
 __version__ = "0.1.0"
 
 __all__ = [
+    "Checkpoint",
     "Data",
     "KineticCluster",
     "KineticFuture",
@@ -41,6 +42,7 @@ _LAZY = {
     "summarize_sweep": "kinetic_prefect.outputs.reporting",
     "output_dir": "kinetic_prefect.outputs.checkpoint",
     "checkpoint_manager": "kinetic_prefect.outputs.checkpoint",
+    "Checkpoint": "kinetic_prefect.outputs.checkpoint",
     "KineticCluster": "kinetic_prefect.blocks",
     "KineticGcpCredentials": "kinetic_prefect.blocks",
 }

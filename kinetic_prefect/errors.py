@@ -65,3 +65,7 @@ class RemoteTraceback(Exception):
 
 class TamperedRecordError(KineticError):
     """A pod's final-state record failed its integrity check and was not unpickled."""
+
+
+class CheckpointError(KineticError, LookupError):
+    """A `Checkpoint` has no step to give, or a template does not fit what it holds."""

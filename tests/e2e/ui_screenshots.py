@@ -1,8 +1,9 @@
 """Headless Chromium opens the demo's Prefect UI, finds the sweep and saves screenshots in docs/.
 
 Run by `make e2e` after `make demo` (a local server with a finished quickstart
-sweep). Uses Debian's chromium through Playwright's `executable_path`, so no
-browser is downloaded.
+sweep) and `flows/pretrain_finetune.py` (the checkpoint lineage: the pretrain's
+checkpoint materialized as an asset, referenced by each fine-tune). Uses Debian's
+chromium through Playwright's `executable_path`, so no browser is downloaded.
 """
 
 from __future__ import annotations
@@ -52,6 +53,23 @@ async def _latest_sweep() -> tuple[Any, list[Any], list[Any]]:
         return flow_run, task_runs, artifacts
 
 
+async def _latest_lineage_event() -> Any:
+    """The newest materialization of a checkpoint asset (flows/pretrain_finetune.py's pretrain)."""
+    async with get_client() as client:
+        response = await client._client.post(
+            "/events/filter",
+            json={
+                "filter": {"event": {"name": ["prefect.asset.materialization.succeeded"]}},
+                "limit": 1,
+            },
+        )
+        response.raise_for_status()
+        events = response.json().get("events", [])
+    if not events:
+        sys.exit("No checkpoint asset event found: run flows/pretrain_finetune.py first.")
+    return events[0]
+
+
 def _shoot(page: Page, url: str, expect: str, name: str) -> Path:
     page.goto(url, wait_until="networkidle", timeout=PAGE_TIMEOUT_MS)
     page.get_by_text(expect, exact=False).first.wait_for(timeout=PAGE_TIMEOUT_MS)
@@ -80,6 +98,13 @@ def main() -> None:
             "ui-task-run-artifacts.png",
         )
         _shoot(page, f"{ui}/artifacts/artifact/{metrics.id}", "final_loss", "ui-sweep-metrics.png")
+        lineage = asyncio.run(_latest_lineage_event())
+        _shoot(
+            page,
+            f"{ui}/events/event/{lineage['occurred'][:10]}/{lineage['id']}",
+            "materialization",
+            "ui-checkpoint-lineage.png",
+        )
         browser.close()
 
 

@@ -13,6 +13,7 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, Ar
 from flows.checkpointed_training import checkpointed_training
 from flows.data_example import data_example
 from flows.hyperparameter_sweep import hyperparameter_sweep
+from flows.pretrain_finetune import pretrain_finetune
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
 
@@ -51,3 +52,12 @@ def test_data_example_reads_the_dataset_in_a_pod():
 
     assert stats["rows"] == 500
     assert abs(stats["slope"] - 2.0) < 0.1
+
+
+def test_pretrain_finetune_ranks_fine_tunes_that_started_from_the_pretrain_checkpoint():
+    ranked = pretrain_finetune(lrs=(0.003, 0.03), steps=5)
+
+    assert [row["loss"] for row in ranked] == sorted(row["loss"] for row in ranked)
+    assert {row["lr"] for row in ranked} == {0.003, 0.03}
+    assert len({row["checkpoint"] for row in ranked}) == 2
+    assert all(row["checkpoint"].startswith("file://") for row in ranked)

@@ -9,6 +9,7 @@ import sys
 import kinetic_prefect
 
 PUBLIC = [
+    "Checkpoint",
     "KineticTaskRunner",
     "KineticFuture",
     "KineticCluster",
