@@ -60,11 +60,15 @@ async def _latest_lineage_event() -> Any:
             "/events/filter",
             json={
                 "filter": {"event": {"name": ["prefect.asset.materialization.succeeded"]}},
-                "limit": 1,
+                "limit": 50,
             },
         )
         response.raise_for_status()
-        events = response.json().get("events", [])
+        events = [
+            e
+            for e in response.json().get("events", [])
+            if "/pretrain-" in e["resource"]["prefect.resource.id"]
+        ]
     if not events:
         sys.exit("No checkpoint asset event found: run flows/pretrain_finetune.py first.")
     return events[0]
@@ -84,6 +88,7 @@ def main() -> None:
     flow_run, task_runs, artifacts = asyncio.run(_latest_sweep())
     train_run = next(t for t in task_runs if t.name.startswith("train"))
     metrics = next(a for a in artifacts if a.key == "quickstart-sweep-metrics")
+    lineage = asyncio.run(_latest_lineage_event())
     DOCS.mkdir(exist_ok=True)
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(
@@ -98,7 +103,6 @@ def main() -> None:
             "ui-task-run-artifacts.png",
         )
         _shoot(page, f"{ui}/artifacts/artifact/{metrics.id}", "final_loss", "ui-sweep-metrics.png")
-        lineage = asyncio.run(_latest_lineage_event())
         _shoot(
             page,
             f"{ui}/events/event/{lineage['occurred'][:10]}/{lineage['id']}",
