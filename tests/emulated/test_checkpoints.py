@@ -134,11 +134,8 @@ def test_fine_tunes_restore_the_pretrain_checkpoint_and_write_their_own(
     }
 
 
-@pytest.mark.parametrize("kind", ["local", "gcs"])
-def test_a_later_flow_run_restores_a_task_of_an_earlier_one(
-    kind: str, request: pytest.FixtureRequest
-):
-    runner = _runner(kind, request)
+def test_a_later_flow_run_restores_a_task_of_an_earlier_one():
+    runner = KineticTaskRunner()
 
     @flow(task_runner=runner)
     def first() -> tuple[str, str]:

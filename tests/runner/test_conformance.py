@@ -101,7 +101,7 @@ def wait_for_file_once_started(path: str, started_dir: str) -> str:
     return path
 
 
-@flow(task_runner=KineticTaskRunner(cancel_grace_seconds=CANCEL_GRACE, max_parallel=4))
+@flow(task_runner=KineticTaskRunner(cancel_grace_seconds=1, max_parallel=2))
 def leave_unfinished(shape: str, finish: str, linger: bool, gate: str, started: str) -> None:
     """Leaves a chain or a map with dependents unfinished, at once or once a pod runs."""
     if shape == "chain":
