@@ -28,7 +28,8 @@ def main() -> None:
     parser.add_argument("--jobs-bucket", required=True)
     parser.add_argument("--results-bucket", required=True)
     parser.add_argument("--image", help="Container image with your project's dependencies")
-    parser.add_argument("--kubernetes-service-account", default="kinetic-prefect-pod")
+    # The task pods' account that deployments/k8s/rbac.yaml creates.
+    parser.add_argument("--kubernetes-service-account", default="kinetic-prefect-pods")
     parser.add_argument("--service-account-file")
     args = parser.parse_args()
     credentials = KineticGcpCredentials(

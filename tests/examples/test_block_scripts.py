@@ -43,3 +43,23 @@ def test_local_script_saves_a_local_cluster(prefect_api, workdir):
     cluster = KineticCluster.load("local")
 
     assert (cluster.backend, cluster.jobs_root()) == ("local", str(workdir / "jobs"))
+
+
+def _service_accounts(rbac: Path) -> set[str]:
+    import yaml
+
+    return {
+        doc["metadata"]["name"]
+        for doc in yaml.safe_load_all(rbac.read_text())
+        if doc and doc.get("kind") == "ServiceAccount"
+    }
+
+
+def test_gke_script_defaults_to_the_pod_service_account_rbac_yaml_creates(prefect_api):
+    env = {"PREFECT_API_URL": prefect_api}
+    required = ("--project", "p", "--cluster", "c", "--jobs-bucket", "j", "--results-bucket", "r")
+
+    _run("save_gke.py", env, *required)
+    cluster = KineticCluster.load("gke")
+
+    assert cluster.service_account in _service_accounts(ROOT / "deployments/k8s/rbac.yaml")
