@@ -1,6 +1,6 @@
 # Two commands on a fresh machine with python3, pip and make: `make demo`, `make test`.
 PYTHON ?= python3
-UV_VERSION := 0.9.30
+UV_VERSION := 0.13.9
 TOOLS := .tools
 UV := $(TOOLS)/bin/uv
 VENV := .venv

@@ -155,6 +155,25 @@ class KineticCluster(Block):
     warm_pod_idle_seconds: float | None = Field(
         default=None, description="How long an idle warm pod waits for its next task run."
     )
+    environment: Literal["auto", "ship", "image"] | None = Field(
+        default=None,
+        description="The task's Python environment: 'ship' (resolved, built once and "
+        "unpacked in each pod on a stock python image), 'image' (the image has everything) "
+        "or 'auto' (ship on gke).",
+    )
+    requirements: list[str] | str | None = Field(
+        default=None,
+        description="Requirement strings, or a requirements file's path; detected from the "
+        "project (uv.lock, pylock.toml, requirements.txt, pyproject.toml) when unset.",
+    )
+    environment_builder: Literal["cluster", "local"] | None = Field(
+        default=None,
+        description="Where a new environment is built: a builder Job in the cluster, or "
+        "this machine (for clusters without a route to a package index).",
+    )
+    package_index_url: str | None = Field(
+        default=None, description="The package index environments are built from (a mirror)."
+    )
     env: dict[str, str] = Field(
         default_factory=dict,
         description="Environment variables for every pod launched with this cluster; a "
@@ -195,5 +214,9 @@ def cluster_settings(cluster: KineticCluster) -> dict[str, Any]:
         "pending_timeout_seconds": cluster.pending_timeout_seconds,
         "warm_pods": cluster.warm_pods,
         "warm_pod_idle_seconds": cluster.warm_pod_idle_seconds,
+        "environment": cluster.environment,
+        "requirements": cluster.requirements,
+        "environment_builder": cluster.environment_builder,
+        "package_index_url": cluster.package_index_url,
         "env": dict(cluster.env),
     }

@@ -69,3 +69,10 @@ class TamperedRecordError(KineticError):
 
 class CheckpointError(KineticError, LookupError):
     """A `Checkpoint` has no step to give, or a template does not fit what it holds."""
+
+
+class EnvironmentBuildError(KineticError):
+    """The task's shipped environment could not be resolved, built or stored.
+
+    The message names the requirement, or the builder's reason, and what to do.
+    """

@@ -178,3 +178,13 @@ def gke(gcs: object, cluster: KubeCluster) -> Iterator[str]:
     with temporary_settings(canaries):
         yield gcs_cluster(gcs, f"gke-{os.urandom(4).hex()}", backend="gke")
     assert leaks(canaries.values(), scanned_artifacts(cluster, gcs)) == []
+
+
+@pytest.fixture(scope="session")
+def shipped_requirements() -> Path:
+    """The requirements file every shipped-environment test uses: one environment per suite.
+
+    It names a package this environment does not have, so a pod that imports it
+    proves the environment it ran on was shipped.
+    """
+    return Path(__file__).parent / "support" / "shipped-requirements.txt"

@@ -37,6 +37,10 @@ TERMINATION_GRACE_ENV = "KINETIC_TERMINATION_GRACE_SECONDS"
 # Where `Data(..., fuse=True)` volumes are mounted.
 MOUNT_ROOT_ENV = "KINETIC_DATA_MOUNT_ROOT"
 
+# -- shipped environments ------------------------------------------------------------
+# Where a pod unpacks its shipped environment: a node-wide cache when the node has one.
+ENV_CACHE_ENV = "KINETIC_ENV_CACHE"
+
 # -- warm pods -----------------------------------------------------------------------
 WARM_DIR_ENV = "KINETIC_WARM_DIR"
 WARM_IDLE_ENV = "KINETIC_WARM_IDLE_SECONDS"

@@ -155,7 +155,13 @@ class GcsStore:
         return self.uri(key)
 
     def get_bytes(self, key: str) -> bytes:
-        data: bytes = self._blob(key).download_as_bytes()
+        """The object's bytes; `FileNotFoundError` when there is none, as in `LocalStore`."""
+        from google.api_core.exceptions import NotFound
+
+        try:
+            data: bytes = self._blob(key).download_as_bytes()
+        except NotFound as exc:
+            raise FileNotFoundError(self.uri(key)) from exc
         return data
 
     def get_file(self, key: str, destination: Path) -> None:

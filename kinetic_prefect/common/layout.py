@@ -11,6 +11,7 @@ The jobs store is one prefix, `gs://{jobs bucket}/...` on gke or `.kinetic/` loc
     code-cache/{sha256}.zip, .done       code archives, shared by every job with that code
     data-cache/{sha256}/...              local `Data`, one object per file
     data-markers/{sha256}                its file list, written last
+    env-cache/{key}/...                  shipped environments (launch/environment.py)
     leases/{flow_run_id}.json            the runner's lease over its flow run's pods
     outputs/{flow_run_id}/{task_key}/    KINETIC_OUTPUT_DIR (default root); never cleaned up
 """
@@ -21,6 +22,7 @@ JOBS_PREFIX = "kinetic"
 CODE_CACHE_PREFIX = "code-cache"
 DATA_CACHE_PREFIX = "data-cache"
 DATA_MARKER_PREFIX = "data-markers"
+ENV_CACHE_PREFIX = "env-cache"
 LEASES_PREFIX = "leases"
 OUTPUTS_PREFIX = "outputs"
 

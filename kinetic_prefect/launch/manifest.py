@@ -12,8 +12,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kinetic_prefect.common.env import JOB_ID_ENV, OUTPUT_DIR_ENV, POD_ACCELERATOR_ENV
+from kinetic_prefect.common.env import (
+    ENV_CACHE_ENV,
+    JOB_ID_ENV,
+    OUTPUT_DIR_ENV,
+    POD_ACCELERATOR_ENV,
+)
 from kinetic_prefect.launch.accelerators import Accelerator
+from kinetic_prefect.launch.environment import ShippedEnvironment, bootstrap_command
 
 MANAGED_BY = "kinetic-prefect"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
@@ -54,6 +60,11 @@ class SecretRef:
 GCSFUSE_DRIVER = "gcsfuse.csi.storage.gke.io"
 GCSFUSE_ANNOTATION = "gke-gcsfuse/volumes"
 DATA_MOUNT_ROOT = "/mnt/kinetic-data"
+# The node's cache of unpacked shipped environments: every pod on a node after the first
+# starts from the copy already there (docs/environments.md).
+ENV_CACHE_VOLUME = "kinetic-env-cache"
+ENV_CACHE_HOST_PATH = "/var/cache/kinetic-prefect/environments"
+ENV_CACHE_MOUNT = "/var/cache/kinetic-prefect/environments"
 
 
 @dataclass(frozen=True)
@@ -116,6 +127,8 @@ class LaunchSpec:
     # instead of the task pod entrypoint and its artifact arguments.
     command: tuple[str, ...] = ()
     extra_labels: Mapping[str, str] = field(default_factory=dict)
+    # The task's shipped environment: the container runs the bootstrap, which unpacks it.
+    environment: ShippedEnvironment | None = None
 
     def labels(self) -> dict[str, str]:
         labels = {**self.extra_labels, LABEL_MANAGED_BY: MANAGED_BY, LABEL_JOB_ID: self.job_id}
@@ -180,12 +193,24 @@ def build_job_manifest(spec: LaunchSpec) -> dict[str, Any]:
         ```
     """
     accelerator = spec.accelerator
+    command = list(spec.command) if spec.command else ["python", "-m", POD_MODULE]
+    args = [] if spec.command else pod_args(spec)
+    env = _env_list(spec)
+    if spec.environment is not None:
+        # The stock image has no kinetic-prefect: the bootstrap readies the environment
+        # and then runs the same `python -m MODULE ARGS`.
+        if command[:2] != ["python", "-m"]:
+            raise ValueError(f"A shipped environment runs `python -m MODULE`, not {command}")
+        shipped = bootstrap_command(spec.environment, command[2], [*command[3:], *args],
+                                    spec.job_dir_uri)  # fmt: skip
+        command, args = shipped[:3], shipped[3:]
+        env.append({"name": ENV_CACHE_ENV, "value": ENV_CACHE_MOUNT})
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": spec.image,
-        "command": list(spec.command) if spec.command else ["python", "-m", POD_MODULE],
-        "args": [] if spec.command else pod_args(spec),
-        "env": _env_list(spec),
+        "command": command,
+        "args": args,
+        "env": env,
     }
     limits = accelerator.resource_limits
     if limits:
@@ -213,6 +238,16 @@ def build_job_manifest(spec: LaunchSpec) -> dict[str, Any]:
             {"name": v.name, "mountPath": v.mount_path, "readOnly": True} for v in spec.data_volumes
         ]
         pod_annotations[GCSFUSE_ANNOTATION] = "true"
+    if spec.environment is not None:
+        pod_spec.setdefault("volumes", []).append(
+            {
+                "name": ENV_CACHE_VOLUME,
+                "hostPath": {"path": ENV_CACHE_HOST_PATH, "type": "DirectoryOrCreate"},
+            }
+        )
+        container.setdefault("volumeMounts", []).append(
+            {"name": ENV_CACHE_VOLUME, "mountPath": ENV_CACHE_MOUNT}
+        )
     job_spec: dict[str, Any] = {
         "backoffLimit": 0,
         "ttlSecondsAfterFinished": spec.ttl_seconds_after_finished,

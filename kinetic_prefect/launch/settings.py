@@ -11,6 +11,7 @@ import contextlib
 import contextvars
 import dataclasses
 import os
+import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,10 @@ from kinetic_prefect.errors import ConfigurationError
 from kinetic_prefect.launch.pod_secrets import SecretValue, env_value
 
 BACKENDS = ("local", "gke")
-DEFAULT_IMAGE = "python:3.11-slim"
+ENVIRONMENTS = ("auto", "ship", "image")
+ENVIRONMENT_BUILDERS = ("cluster", "local")
+# A stock image: with `environment="ship"` the task's environment is unpacked into it.
+DEFAULT_IMAGE = f"python:{sys.version_info.major}.{sys.version_info.minor}-slim"
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,17 @@ class LaunchSettings:
     # (docs/warm-pods.md); an idle one ends after `warm_pod_idle_seconds`.
     warm_pods: bool = False
     warm_pod_idle_seconds: float = 60.0
+    # The task's Python environment (docs/environments.md): "ship" travels with the task,
+    # "image" is all in the image, "auto" ships on gke and runs this interpreter on local.
+    environment: str = "auto"
+    # Requirement strings, or a requirements file's path; detected from the project if None.
+    requirements: tuple[str, ...] | str | None = None
+    # Where a new environment is built: a builder Job on the cluster, or this machine.
+    environment_builder: str = "cluster"
+    # The package index the environment is resolved and installed from (a mirror).
+    package_index_url: str | None = None
+    # What the accelerator adds (default: jax's TPU or CUDA parts); [] adds nothing.
+    accelerator_extras: tuple[str, ...] | None = None
 
     def resolved_jobs_root(self) -> str:
         """Where `kinetic/{job_id}/…` artifacts live: a `gs://bucket[/prefix]` or a local dir."""
@@ -74,6 +89,12 @@ class LaunchSettings:
     def resolved_image(self) -> str:
         """The pod container image; the local backend runs this interpreter whatever it is."""
         return self.container_image or DEFAULT_IMAGE
+
+    def ships_environment(self) -> bool:
+        """Whether the task's environment travels with it ("auto": on gke, not on local)."""
+        if self.environment == "auto":
+            return self.backend == "gke"
+        return self.environment == "ship"
 
     def resolved_output_root(self) -> str:
         """The root under which each task gets `{flow_run_id}/{task_key}`."""
@@ -107,6 +128,12 @@ _ENV_PARSERS: dict[str, Any] = {
     "kube_context": str,
     "warm_pods": lambda v: _parse_bool("KINETIC_WARM_PODS", v),
     "warm_pod_idle_seconds": float,
+    "environment": str,
+    # A requirements file's path.
+    "requirements": str,
+    "environment_builder": str,
+    "package_index_url": str,
+    "accelerator_extras": lambda v: tuple(p.strip() for p in v.split(",") if p.strip()),
 }
 ENV_ALIASES = {"jobs_root": ("KINETIC_JOBS_ROOT", "KINETIC_JOBS_BUCKET")}
 
@@ -210,6 +237,9 @@ def resolve_settings(
             else:
                 merged[key] = value
     merged["env"] = env
+    for key in ("requirements", "accelerator_extras"):
+        if isinstance(merged.get(key), list | tuple):
+            merged[key] = tuple(str(item) for item in merged[key])
     settings = LaunchSettings(**merged)
     _validate(settings)
     return settings
@@ -239,6 +269,7 @@ def _validate(settings: LaunchSettings) -> None:
             "warm pod waits for its next task run)."
         )
     _check_warm_idle(settings)
+    _check_environment(settings)
     for key in settings.env:
         if not key or "=" in key:
             raise ConfigurationError(f"Invalid environment variable name {key!r} in env=.")
@@ -254,6 +285,29 @@ def _check_warm_idle(settings: LaunchSettings) -> None:
             f"warm_pod_idle_seconds={settings.warm_pod_idle_seconds:g} leaves no time to reuse a "
             f"warm pod: a task goes only to a pod with over {margin:g}s of its idle time left "
             f"on this jobs store. Use at least {2 * margin:g}, or warm_pods=False."
+        )
+
+
+def _check_environment(settings: LaunchSettings) -> None:
+    if settings.environment not in ENVIRONMENTS:
+        raise ConfigurationError(
+            f"environment={settings.environment!r} is not valid: use 'ship' (the task's Python "
+            "environment travels with it), 'image' (the image has everything) or 'auto'."
+        )
+    if settings.environment_builder not in ENVIRONMENT_BUILDERS:
+        raise ConfigurationError(
+            f"environment_builder={settings.environment_builder!r} is not valid: use 'cluster' "
+            "(a builder Job) or 'local' (this machine builds and uploads)."
+        )
+    if (
+        settings.environment == "image"
+        and settings.backend == "gke"
+        and not (settings.container_image)
+    ):
+        raise ConfigurationError(
+            "environment='image' needs container_image: an image with kinetic-prefect and every "
+            "library your tasks import (deployments/Dockerfile builds one). Or use "
+            "environment='ship', which needs no image build."
         )
 
 

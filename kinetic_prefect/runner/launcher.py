@@ -28,12 +28,14 @@ from __future__ import annotations
 import inspect
 import json
 import threading
+from pathlib import Path
 from typing import Any
 
 from prefect.logging import get_logger
 from prefect.states import Cancelled, Failed, Pending, State
 
 from kinetic_prefect.backends.base import Backend, PodExit
+from kinetic_prefect.backends.environments import ready_environment
 from kinetic_prefect.common import layout, versions
 from kinetic_prefect.common.env import ATTEMPT_ENV, CLIENT_VERSIONS_ENV, SIGNING_KEY_ENV
 from kinetic_prefect.common.storage import JobsStore, open_store
@@ -148,7 +150,15 @@ class Launcher:
         jobs_root = settings.resolved_jobs_root()
         store = launch.store or open_store(jobs_root)
         launch.store = store
-        payload_uri, payload_sha256, code = self._upload_attempt(launch, store)
+        source = inspect.getsourcefile(launch.task.fn) if hasattr(launch.task, "fn") else None
+        root = find_package_root(source, self.resources.package_root)
+        backend = self.resources.backend_for(settings, jobs_root)
+        environment = None
+        if settings.ships_environment():
+            environment = ready_environment(
+                settings, launch.attempt_accelerator(), root, store, backend
+            )
+        payload_uri, payload_sha256, code = self._upload_attempt(launch, store, root)
         secrets = self._pod_secrets(launch)
         spec = LaunchSpec(
             job_id=launch.job_id,
@@ -171,16 +181,16 @@ class Launcher:
             service_account=settings.service_account,
             data_volumes=launch.data_volumes,
             extra_labels=identity_labels(launch),
+            environment=environment,
         )
-        backend = self.resources.backend_for(settings, jobs_root)
         if self.resources.warm_pods.take(launch, spec, backend, store, secrets, self):
             return
         self._launch_cold(launch, spec, backend, secrets)
 
-    def _upload_attempt(self, launch: TaskLaunch, store: JobsStore) -> tuple[str, str, Artifact]:
+    def _upload_attempt(
+        self, launch: TaskLaunch, store: JobsStore, root: Path
+    ) -> tuple[str, str, Artifact]:
         """The attempt's payload, uploaded (its URI and sha256), and its code archive."""
-        source = inspect.getsourcefile(launch.task.fn) if hasattr(launch.task, "fn") else None
-        root = find_package_root(source, self.resources.package_root)
         launch.task_run.run_count = launch.runs_used
         payload = build_payload(
             {

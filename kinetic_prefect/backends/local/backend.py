@@ -39,6 +39,7 @@ from kinetic_prefect.backends.local.container import (
     materialise_fuse_volumes,
     start_process,
 )
+from kinetic_prefect.backends.local.interpreter import default_interpreter
 from kinetic_prefect.backends.local.pods import (
     pods_labelled,
     process_start_ticks,
@@ -46,8 +47,14 @@ from kinetic_prefect.backends.local.pods import (
     record_launch,
     record_update,
 )
-from kinetic_prefect.common.env import MOUNT_ROOT_ENV, SCRATCH_DIR_ENV
-from kinetic_prefect.launch.manifest import LABEL_FLOW_RUN_ID, LABEL_TASK_IDENTITY, LABEL_WARM
+from kinetic_prefect.common.env import ENV_CACHE_ENV, MOUNT_ROOT_ENV, SCRATCH_DIR_ENV
+from kinetic_prefect.launch.environment import cache_dir
+from kinetic_prefect.launch.manifest import (
+    ENV_CACHE_HOST_PATH,
+    LABEL_FLOW_RUN_ID,
+    LABEL_TASK_IDENTITY,
+    LABEL_WARM,
+)
 from kinetic_prefect.launch.slices import (
     COMPLETION_INDEX_ANNOTATION,
     free_port,
@@ -202,8 +209,14 @@ class LocalBackend:
         max_parallel: int | None = None,
         cancel_grace_seconds: float = 10.0,
         base_env: Mapping[str, str] | None = None,
+        interpreter: Callable[[Mapping[str, Any]], str] = default_interpreter,
+        node_root: str | os.PathLike[str] | None = None,
     ) -> None:
         self.workspace = Path(workspace)
+        # Which Python runs a pod's `python` (a bare one for a shipped environment).
+        self.interpreter = interpreter
+        # This machine as the pods' node: where its hostPath caches live.
+        self.node_root = Path(node_root) if node_root else cache_dir() / "node"
         # None: pods start from this machine's environment (see `container_env`).
         self.base_env = None if base_env is None else dict(base_env)
         self.max_parallel = max_parallel or os.cpu_count() or 1
@@ -406,8 +419,14 @@ class LocalBackend:
         env[SCRATCH_DIR_ENV] = str(scratch)
         if mounts:
             env[MOUNT_ROOT_ENV] = str(mounts)
+        if ENV_CACHE_ENV in env:
+            # The node's environment cache (a hostPath volume on GKE).
+            env[ENV_CACHE_ENV] = str(self.node_root / ENV_CACHE_HOST_PATH.lstrip("/"))
+            for name in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP"):
+                env.pop(name, None)  # a stock image has none of this machine's Python
         log_path = self._log_path(pod.job_id, index)
-        process, pidfd = start_process(container_command(pod.manifest), env, scratch, log_path)
+        command = container_command(pod.manifest, self.interpreter(pod.manifest))
+        process, pidfd = start_process(command, env, scratch, log_path)
         return HostProcess(index, process, pidfd, log_path)
 
     def _terminate(self, pod: PodProcess) -> None:

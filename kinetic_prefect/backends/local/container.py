@@ -67,12 +67,12 @@ def container_env(
     return env
 
 
-def container_command(manifest: Mapping[str, Any]) -> list[str]:
-    """The container's command and args, run with this interpreter."""
+def container_command(manifest: Mapping[str, Any], interpreter: str = sys.executable) -> list[str]:
+    """The container's command and args, with `python` run as `interpreter`."""
     container = container_of(manifest)
     command = [*container.get("command", []), *container.get("args", [])]
     if command and command[0] in {"python", "python3"}:
-        command[0] = sys.executable
+        command[0] = interpreter
     return command
 
 

@@ -1,0 +1,120 @@
+"""Shipped environments made ready for a launch: found in the store, or built.
+
+Both the task runner and the worker's flow pods come here: the environment is
+planned (`launch.environment`), looked up in the jobs store, and built when it
+is missing, by a builder Job on the launch's backend (`environment_builder=
+"cluster"`, the default on gke) or on this machine (`"local"`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+from prefect.logging import get_logger
+
+from kinetic_prefect.backends.base import Backend, PodExit
+from kinetic_prefect.common.storage import JobsStore
+from kinetic_prefect.errors import EnvironmentBuildError
+from kinetic_prefect.launch.accelerators import Accelerator, parse_accelerator
+from kinetic_prefect.launch.environment import (
+    ClusterBuilder,
+    EnvironmentPlan,
+    Environments,
+    ShippedEnvironment,
+    builder_command,
+)
+from kinetic_prefect.launch.manifest import LaunchSpec, build_job_manifest, new_job_id
+from kinetic_prefect.launch.pod_secrets import split_env
+from kinetic_prefect.launch.settings import LaunchSettings
+
+logger = get_logger("kinetic_prefect.backends.environments")
+
+# How long a builder Job may take, pending included (a cold build of a TPU stack).
+BUILD_TIMEOUT_SECONDS = 3600.0
+UV_VERSION_ENV = "KINETIC_UV_VERSION"
+# This process's environments: a sweep plans and checks each one once.
+ENVIRONMENTS = Environments()
+
+
+def _uv_version() -> str:
+    from importlib.metadata import version
+
+    return version("uv")
+
+
+def cluster_builder(settings: LaunchSettings, backend: Backend) -> ClusterBuilder:
+    """Build environments with a builder Job on `backend`, on the stock image."""
+
+    def build(plan: EnvironmentPlan, spec_uri: str, destination: str) -> None:
+        plain_env, _ = split_env(settings.env)
+        env = {**plain_env, UV_VERSION_ENV: _uv_version(), "PYTHONUNBUFFERED": "1"}
+        if plan.index_url:
+            env["PIP_INDEX_URL"] = plan.index_url
+        job_id = new_job_id(f"env-{plan.key[:8]}")
+        spec = LaunchSpec(
+            job_id=job_id,
+            task_name=f"environment {plan.key[:12]}",
+            task_run_id=None,
+            flow_run_id=None,
+            accelerator=parse_accelerator("cpu"),
+            image=settings.container_image or f"python:{plan.python}-slim",
+            namespace=settings.namespace,
+            output_dir="",
+            env=env,
+            ttl_seconds_after_finished=settings.ttl_seconds_after_finished,
+            service_account=settings.service_account,
+            command=tuple(builder_command(spec_uri, destination)),
+        )
+        ended = threading.Event()
+        outcome: list[PodExit] = []
+
+        def on_exit(exit: PodExit) -> None:
+            outcome.append(exit)
+            ended.set()
+
+        logger.info(
+            "Building environment %s (%d packages) with builder Job %s",
+            plan.key[:12],
+            len(plan.pins),
+            job_id,
+        )
+        started = time.monotonic()
+        backend.launch(build_job_manifest(spec), on_exit=on_exit, secrets={})
+        if not ended.wait(BUILD_TIMEOUT_SECONDS):
+            backend.cancel(job_id)
+            raise EnvironmentBuildError(
+                f"Builder Job {job_id} did not finish in {BUILD_TIMEOUT_SECONDS:g}s."
+            )
+        result = outcome[0]
+        if result.exit_code != 0:
+            tail = result.log_tail or backend.logs(job_id, tail=40)
+            raise EnvironmentBuildError(
+                f"Builder Job {job_id} failed ({result.describe()}):\n{tail.strip()}"
+            )
+        logger.info("Built environment %s in %.0fs", plan.key[:12], time.monotonic() - started)
+
+    return build
+
+
+def ready_environment(
+    settings: LaunchSettings,
+    accelerator: Accelerator,
+    root: Path,
+    store: JobsStore,
+    backend: Backend,
+    environments: Environments = ENVIRONMENTS,
+) -> ShippedEnvironment:
+    """The launch's environment in the jobs store, built first if it is not there."""
+    plan = environments.plan(
+        root,
+        accelerator,
+        requirements=settings.requirements,
+        index_url=settings.package_index_url,
+        extras=settings.accelerator_extras,
+    )
+    builder = None
+    if settings.environment_builder == "cluster" and settings.backend == "gke":
+        builder = cluster_builder(settings, backend)
+    return environments.ensure(plan, store, builder)

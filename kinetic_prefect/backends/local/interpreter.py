@@ -1,0 +1,52 @@
+"""Which Python runs a local pod: this interpreter, or a bare one as a stock image has.
+
+A pod whose environment is shipped (`environment="ship"`) starts, on GKE, from a
+`python:*-slim` image: an interpreter with its standard library and pip, and
+nothing else. The local backend gives such a pod the same: a virtualenv of this
+machine's base Python without its site-packages, made once per Python in the
+cache. What the pod imports then comes only from the environment it unpacks,
+so a local run proves what GKE will run. Other pods run this interpreter.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from kinetic_prefect.launch.environment import cache_dir
+from kinetic_prefect.launch.manifest import container_of
+
+
+def bare_python() -> str:
+    """A Python with only its standard library and pip (made once, then reused)."""
+    minor = f"{sys.version_info.major}.{sys.version_info.minor}"
+    root = cache_dir() / "bare-python" / minor
+    python = root / "bin" / "python"
+    if python.exists():
+        return str(python)
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with open(root.parent / f".{minor}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not python.exists():
+            partial = root.with_name(f".{minor}.partial")
+            shutil.rmtree(partial, ignore_errors=True)
+            base = getattr(sys, "_base_executable", sys.executable)
+            subprocess.run([base, "-m", "venv", str(partial)], check=True, capture_output=True)
+            os.replace(partial, root)
+    return str(python)
+
+
+def runs_bootstrap(manifest: Mapping[str, Any]) -> bool:
+    """Whether the pod's container runs the shipped-environment bootstrap (`python -c`)."""
+    command = container_of(manifest).get("command", [])
+    return command[:2] in (["python", "-c"], ["python3", "-c"])
+
+
+def default_interpreter(manifest: Mapping[str, Any]) -> str:
+    """A bare Python for a pod with a shipped environment, else this interpreter."""
+    return bare_python() if runs_bootstrap(manifest) else sys.executable

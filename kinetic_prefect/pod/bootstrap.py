@@ -1,0 +1,446 @@
+"""What a pod on a stock `python` image runs before kinetic-prefect exists in it.
+
+Standard library only: the orchestrator sends this file's source as the
+container's program (`python -c`), so it must run on a bare interpreter. Two
+commands:
+
+`run` makes the task's shipped environment ready and starts a module on it:
+it downloads the environment's archive from the jobs store (the GCS JSON API
+with the Workload Identity token of the metadata server, or the emulator named
+by `STORAGE_EMULATOR_HOST`, or a local path), verifies its sha256, unpacks it
+into the node's environment cache (`KINETIC_ENV_CACHE`) and runs the module
+(`kinetic_prefect.pod`, or Prefect's CLI for a flow pod) with that
+environment first on `sys.path`. An environment already unpacked on the node
+is used as it is. A failure is the pod's "environment" phase failure: it
+leaves a signed `final-state.json` in the job directory, as the pod runtime's
+own phases do, and exits with the phase-failure code.
+
+`build` turns a build spec (the resolved pins, the platform and Python, the
+local wheels) into the environment's archive: it installs the pins with uv
+for the pod's platform into a directory and packs it, then writes the
+archive, its manifest and, last, its marker. The builder Job runs it on the
+cluster; `environment_builder="local"` runs the same command on the
+orchestrator's machine. See docs/environments.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import hmac
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import traceback
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+# Written as in `kinetic_prefect.common` (a unit test keeps them equal): this file
+# cannot import it, since the pod has no kinetic-prefect until the archive is unpacked.
+ENV_CACHE_ENV = "KINETIC_ENV_CACHE"
+SIGNING_KEY_ENV = "KINETIC_RECORD_KEY"
+FINAL_STATE_JSON = "final-state.json"
+STATUS_PHASE_FAILED = "phase-failed"
+PHASE = "environment"
+EXIT_PHASE_FAILED = 2
+ARCHIVE_FILE = "environment.tar.gz"
+MANIFEST_FILE = "manifest.json"
+MARKER_FILE = "ready.json"
+SPEC_FILE = "spec.json"
+DEFAULT_CACHE = "/tmp/kinetic-env"
+# Inside the unpacked directory, written once the whole archive is there.
+UNPACKED_MARKER = ".kinetic-env-ready"
+
+_METADATA_TOKEN_URL = (
+    "http://metadata.google.internal/computeMetadata/v1/instance/service-accounts/default/token"
+)
+_GCS_HOST = "https://storage.googleapis.com"
+_RETRY_STATUSES = (408, 429, 500, 502, 503, 504)
+_ATTEMPTS = 6
+_CHUNK = 1 << 20
+
+
+class EnvironmentFailure(Exception):
+    """The environment could not be made ready; the message says why and what to do."""
+
+
+# -- storage: gs:// through the JSON API, or a local path ------------------------------------
+
+
+def _token() -> str | None:
+    if os.environ.get("STORAGE_EMULATOR_HOST"):
+        return None
+    request = urllib.request.Request(_METADATA_TOKEN_URL, headers={"Metadata-Flavor": "Google"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return json.load(response)["access_token"]
+    except OSError as exc:
+        raise EnvironmentFailure(
+            f"no credentials for GCS: the metadata server did not answer ({exc}); the pod's "
+            "service account needs Workload Identity"
+        ) from exc
+
+
+def _gcs_host() -> str:
+    return (os.environ.get("STORAGE_EMULATOR_HOST") or _GCS_HOST).rstrip("/")
+
+
+def _split_gs(uri: str) -> tuple[str, str]:
+    bucket, _, name = uri[len("gs://") :].partition("/")
+    return bucket, name
+
+
+def _request(url: str, method: str = "GET", body: object = None, headers: dict | None = None):
+    """Open `url` with retries on transient answers; the caller reads and closes the response."""
+    headers = dict(headers or {})
+    token = _token()
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    delay = 0.5
+    for attempt in range(_ATTEMPTS):
+        if hasattr(body, "seek"):
+            body.seek(0)  # type: ignore[attr-defined]
+        request = urllib.request.Request(url, data=body, method=method, headers=headers)  # type: ignore[arg-type]
+        try:
+            return urllib.request.urlopen(request, timeout=120)
+        except urllib.error.HTTPError as exc:
+            if exc.code not in _RETRY_STATUSES or attempt == _ATTEMPTS - 1:
+                raise
+        except (urllib.error.URLError, OSError):
+            if attempt == _ATTEMPTS - 1:
+                raise
+        time.sleep(delay)
+        delay = min(delay * 2, 8.0)
+    raise AssertionError("unreachable")
+
+
+def download(uri: str, destination: Path) -> str:
+    """Copy `uri` to `destination`; the sha256 of what arrived."""
+    digest = hashlib.sha256()
+    with open(destination, "wb") as out:
+        if uri.startswith("gs://"):
+            bucket, name = _split_gs(uri)
+            url = (
+                f"{_gcs_host()}/storage/v1/b/{bucket}/o/"
+                f"{urllib.parse.quote(name, safe='')}?alt=media"
+            )
+            source = _request(url)
+        else:
+            source = open(uri.removeprefix("file://"), "rb")  # noqa: SIM115 (closed below)
+        with source:
+            while chunk := source.read(_CHUNK):
+                digest.update(chunk)
+                out.write(chunk)
+    return digest.hexdigest()
+
+
+def upload(path_or_bytes: Path | bytes, uri: str) -> None:
+    """Write a file or bytes to `uri` (an object, or a local path)."""
+    if not uri.startswith("gs://"):
+        target = Path(uri.removeprefix("file://"))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+        if isinstance(path_or_bytes, bytes):
+            partial.write_bytes(path_or_bytes)
+        else:
+            shutil.copyfile(path_or_bytes, partial)
+        os.replace(partial, target)
+        return
+    bucket, name = _split_gs(uri)
+    url = (
+        f"{_gcs_host()}/upload/storage/v1/b/{bucket}/o?uploadType=media&"
+        f"name={urllib.parse.quote(name, safe='')}"
+    )
+    headers = {"Content-Type": "application/octet-stream"}
+    if isinstance(path_or_bytes, bytes):
+        headers["Content-Length"] = str(len(path_or_bytes))
+        _request(url, "POST", path_or_bytes, headers).close()
+        return
+    headers["Content-Length"] = str(path_or_bytes.stat().st_size)
+    with open(path_or_bytes, "rb") as body:
+        _request(url, "POST", body, headers).close()
+
+
+def read_text(uri: str) -> str:
+    with tempfile.TemporaryDirectory() as scratch:
+        path = Path(scratch) / "object"
+        download(uri, path)
+        return path.read_text()
+
+
+# -- the archive -------------------------------------------------------------------------------
+
+
+def pack(directory: Path, archive: Path) -> tuple[str, int]:
+    """A gzip tar of `directory`'s contents, in a fixed order; its sha256 and file count."""
+    files = 0
+    # mtime=0 and sorted names: the same directory packs to the same bytes.
+    with (
+        open(archive, "wb") as raw,
+        gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=1, mtime=0) as zipped,
+        tarfile.open(fileobj=zipped, mode="w", format=tarfile.PAX_FORMAT) as tar,
+    ):
+        for root, dirs, names in os.walk(directory):
+            dirs.sort()
+            for name in sorted(names):
+                path = Path(root, name)
+                info = tar.gettarinfo(str(path), str(path.relative_to(directory)))
+                info.uid = info.gid = 0
+                info.uname = info.gname = ""
+                if info.isreg():
+                    with open(path, "rb") as content:
+                        tar.addfile(info, content)
+                else:
+                    tar.addfile(info)
+                files += 1
+    digest = hashlib.sha256()
+    with open(archive, "rb") as packed:
+        while chunk := packed.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest(), files
+
+
+def unpack(archive: Path, directory: Path) -> None:
+    """Unpack an environment archive, refusing members that would land outside `directory`."""
+    with tarfile.open(archive, "r:gz") as tar:
+        tar.extractall(directory, filter="data")
+
+
+# -- run ---------------------------------------------------------------------------------------
+
+
+def ready_environment(archive_uri: str, sha256: str, key: str) -> Path:
+    """The unpacked environment on this node: unpacked now unless an earlier pod did it."""
+    cache = Path(os.environ.get(ENV_CACHE_ENV) or DEFAULT_CACHE)
+    target = cache / key
+    if (target / UNPACKED_MARKER).is_file():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{key[:12]}-", dir=cache))
+    try:
+        archive = scratch / ARCHIVE_FILE
+        try:
+            arrived = download(archive_uri, archive)
+        except (OSError, urllib.error.URLError) as exc:
+            raise EnvironmentFailure(
+                f"could not download {archive_uri}: {exc}; check that the pod's service account "
+                "can read the jobs bucket"
+            ) from exc
+        if arrived != sha256:
+            raise EnvironmentFailure(
+                f"{archive_uri} has sha256 {arrived}, not {sha256}: it changed after it was "
+                "uploaded, so it is refused; `kinetic-prefect env build --force` uploads it again"
+            )
+        unpacked = scratch / "env"
+        unpack(archive, unpacked)
+        archive.unlink()
+        (unpacked / UNPACKED_MARKER).write_text(sha256)
+        try:
+            os.rename(unpacked, target)
+        except OSError:
+            if not (target / UNPACKED_MARKER).is_file():
+                raise  # not a pod beside us that finished first
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return target
+
+
+def start_module(environment: Path, module: str, args: list[str]) -> None:
+    """Run `python -m module args` with the environment first on the path."""
+    import runpy
+    import site
+
+    before = list(sys.path)
+    site.addsitedir(str(environment))  # also runs the environment's .pth files
+    added = [p for p in sys.path if p not in before]
+    sys.path[:] = added + before
+    # Processes the task starts (`python -m ...`) see the environment too.
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(environment), *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
+    sys.argv = [module, *args]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+def record_failure(job_dir: str, message: str, error: BaseException) -> None:
+    """Leave the phase failure in the job directory, as the pod runtime's phases do."""
+    record = {
+        "status": STATUS_PHASE_FAILED,
+        "phase": PHASE,
+        "error_type": type(error).__name__,
+        "message": message,
+        "traceback": "".join(traceback.format_exception(error)),
+        "state_type": None,
+        "state_name": None,
+        "versions": {},
+        "timings": {},
+        "pickle_sha256": None,
+    }
+    key = os.environ.get(SIGNING_KEY_ENV)
+    signature = None
+    if key:
+        signed = json.dumps(record, sort_keys=True).encode()
+        signature = hmac.new(key.encode(), signed, hashlib.sha256).hexdigest()
+    record["signature"] = signature
+    upload(json.dumps(record, indent=1).encode(), f"{job_dir.rstrip('/')}/{FINAL_STATE_JSON}")
+
+
+def run(options: argparse.Namespace) -> int:
+    started = time.monotonic()
+    try:
+        environment = ready_environment(options.archive, options.sha256, options.key)
+    except Exception as exc:
+        message = f"Failed during {PHASE}: {exc}"
+        sys.stderr.write(f"kinetic-prefect pod: {message}\n")
+        if options.job_dir:
+            try:
+                record_failure(options.job_dir, message, exc)
+            except Exception as write_error:  # the log is all that is left
+                sys.stderr.write(
+                    f"kinetic-prefect pod: could not write the record: {write_error}\n"
+                )
+        return EXIT_PHASE_FAILED
+    sys.stderr.write(
+        f"kinetic-prefect pod: environment {options.key[:12]} ready in "
+        f"{time.monotonic() - started:.2f}s\n"
+    )
+    start_module(environment, options.module, options.args)
+    return 0
+
+
+# -- build -------------------------------------------------------------------------------------
+
+
+def _uv() -> list[str]:
+    """A uv to build with: this Python's, else one installed with pip for the build."""
+    try:
+        from uv import find_uv_bin  # type: ignore[import-not-found]
+
+        return [find_uv_bin()]
+    except ImportError:
+        pass
+    found = shutil.which("uv")
+    if found:
+        return [found]
+    tools = Path(tempfile.mkdtemp(prefix="kinetic-uv-"))
+    index = os.environ.get("PIP_INDEX_URL")
+    command = [sys.executable, "-m", "pip", "install", "--quiet", "--target", str(tools)]
+    command += ["--disable-pip-version-check", "--no-warn-script-location"]
+    command += (["--index-url", index] if index else []) + [
+        f"uv=={os.environ['KINETIC_UV_VERSION']}"
+    ]
+    subprocess.run(command, check=True)
+    return [str(tools / "bin" / "uv")]
+
+
+def install(spec: dict, wheels: list[Path], target: Path) -> None:
+    """Install the spec's pins and wheels into `target`, for the spec's platform and Python."""
+    pins = target.parent / "pins.txt"
+    pins.write_text("\n".join(spec["pins"]) + "\n")
+    common = ["--target", str(target), "--python-platform", spec["platform"]]
+    common += ["--python-version", spec["python"], "--no-deps", "--compile-bytecode", "--quiet"]
+    if spec.get("index_url"):
+        common += ["--index-url", spec["index_url"]]
+    uv = _uv()
+    environ = {**os.environ, "UV_PYTHON_DOWNLOADS": "never", "UV_NO_CONFIG": "1"}
+    result = subprocess.run(
+        [*uv, "pip", "install", *common, "-r", str(pins)],
+        env=environ,
+        capture_output=True,
+        text=True,
+    )
+    if result.returncode == 0 and wheels:
+        result = subprocess.run(
+            [*uv, "pip", "install", *common, *map(str, wheels)],
+            env=environ,
+            capture_output=True,
+            text=True,
+        )
+    if result.returncode != 0:
+        raise EnvironmentFailure(f"uv could not install the environment:\n{result.stderr.strip()}")
+
+
+def build(options: argparse.Namespace) -> int:
+    spec_uri = options.spec
+    spec = json.loads(read_text(spec_uri))
+    source = spec_uri.rpartition("/")[0]
+    destination = (options.upload or "").rstrip("/")
+    work = Path(options.out) if options.out else Path(tempfile.mkdtemp(prefix="kinetic-env-"))
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    wheels = []
+    for wheel in spec.get("wheels", []):
+        path = work / "wheels" / wheel["name"]
+        path.parent.mkdir(exist_ok=True)
+        if download(f"{source}/wheels/{wheel['name']}", path) != wheel["sha256"]:
+            raise EnvironmentFailure(f"wheel {wheel['name']} changed after it was uploaded")
+        wheels.append(path)
+    target = work / "env"
+    shutil.rmtree(target, ignore_errors=True)
+    install(spec, wheels, target)
+    installed = time.monotonic()
+    archive = work / ARCHIVE_FILE
+    sha256, files = pack(target, archive)
+    manifest = {
+        "key": spec["key"],
+        "sha256": sha256,
+        "size": archive.stat().st_size,
+        "files": files,
+        "python": spec["python"],
+        "platform": spec["platform"],
+        "pins": spec["pins"],
+        "wheels": spec.get("wheels", []),
+        "install_seconds": round(installed - started, 2),
+        "pack_seconds": round(time.monotonic() - installed, 2),
+        "built_by": options.built_by,
+    }
+    (work / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
+    if destination:
+        upload(archive, f"{destination}/{ARCHIVE_FILE}")
+        upload(json.dumps(manifest, indent=1).encode(), f"{destination}/{MANIFEST_FILE}")
+        marker = {"sha256": sha256, "size": manifest["size"], "files": files}
+        upload(json.dumps(marker).encode(), f"{destination}/{MARKER_FILE}")
+    sys.stderr.write(
+        f"kinetic-prefect builder: environment {spec['key'][:12]}: {files} files, "
+        f"{manifest['size'] / 1e6:.1f} MB in {time.monotonic() - started:.1f}s\n"
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kinetic-prefect-bootstrap")
+    commands = parser.add_subparsers(dest="command", required=True)
+    run_parser = commands.add_parser("run")
+    run_parser.add_argument("--archive", required=True)
+    run_parser.add_argument("--sha256", required=True)
+    run_parser.add_argument("--key", required=True)
+    run_parser.add_argument("--job-dir", default="")
+    run_parser.add_argument("--module", required=True)
+    run_parser.add_argument("args", nargs=argparse.REMAINDER)
+    build_parser = commands.add_parser("build")
+    build_parser.add_argument("--spec", required=True)
+    build_parser.add_argument("--upload", default="")
+    build_parser.add_argument("--out", default="")
+    build_parser.add_argument("--built-by", default="builder Job")
+    options = parser.parse_args(argv)
+    if options.command == "run":
+        if options.args[:1] == ["--"]:
+            options.args = options.args[1:]
+        return run(options)
+    try:
+        return build(options)
+    except EnvironmentFailure as failure:
+        sys.stderr.write(f"kinetic-prefect builder: {failure}\n")
+        return EXIT_PHASE_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())
