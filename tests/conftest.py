@@ -187,4 +187,6 @@ def shipped_requirements() -> Path:
     It names a package this environment does not have, so a pod that imports it
     proves the environment it ran on was shipped.
     """
-    return Path(__file__).parent / "support" / "shipped-requirements.txt"
+    from tests.support.clusters import SHIPPED_REQUIREMENTS
+
+    return SHIPPED_REQUIREMENTS

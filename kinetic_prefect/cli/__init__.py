@@ -391,3 +391,102 @@ def doctor(
         failed = failed or check.level == "fail"
     if failed:
         raise typer.Exit(1)
+
+
+# -- env ---------------------------------------------------------------------------------------
+
+env_app = typer.Typer(
+    name="env",
+    help="The Python environment tasks ship with (environment='ship'): show it, build it.",
+    no_args_is_help=True,
+)
+app.add_typer(env_app)
+
+AcceleratorOption = Annotated[
+    str | None,
+    typer.Option("--accelerator", help="Plan for this accelerator (its jax extras)."),
+]
+
+
+def _env_plan(cluster: str | None, accelerator: str | None) -> tuple[Any, Any, Any]:
+    """The settings, the accelerator and the plan of the environment for the cwd's project."""
+    from kinetic_prefect.backends.environments import ENVIRONMENTS
+    from kinetic_prefect.errors import EnvironmentBuildError
+    from kinetic_prefect.launch.accelerators import parse_accelerator
+    from kinetic_prefect.launch.packaging import find_package_root
+
+    _, settings = _target(cluster, None)
+    chosen = parse_accelerator(accelerator or settings.accelerator)
+    try:
+        plan = ENVIRONMENTS.plan(
+            find_package_root(None),
+            chosen,
+            requirements=settings.requirements,
+            index_url=settings.package_index_url,
+            extras=settings.accelerator_extras,
+        )
+    except EnvironmentBuildError as exc:
+        _fail(str(exc))
+    return settings, chosen, plan
+
+
+@env_app.command("show")
+def env_show(cluster: ClusterOption = None, accelerator: AcceleratorOption = None) -> None:
+    """The environment's key, pins and size, and whether the jobs store has it.
+
+    Example: kinetic-prefect env show --accelerator tpu-v5e-4
+    """
+    from kinetic_prefect.common.storage import open_store
+    from kinetic_prefect.launch.environment import stored_environment
+
+    settings, chosen, plan = _env_plan(cluster, accelerator)
+    typer.echo(f"key:          {plan.key}")
+    typer.echo(f"accelerator:  {chosen.name}")
+    typer.echo(f"python:       {plan.python} ({plan.platform})")
+    typer.echo(f"requirements: {plan.requirements_source}")
+    typer.echo(f"extras:       {', '.join(plan.extras) or '-'}")
+    jobs_root = settings.resolved_jobs_root()
+    stored = stored_environment(open_store(jobs_root), plan.key)
+    if stored is None:
+        typer.echo(f"store:        not in {jobs_root} yet (kinetic-prefect env build)")
+    else:
+        typer.echo(
+            f"store:        {stored.archive_uri} ({stored.size / 1e6:.1f} MB, {stored.files} files)"
+        )
+    typer.echo(f"pins ({len(plan.pins)}):")
+    for pin in plan.pins:
+        typer.echo(f"  {pin}")
+    for wheel in plan.wheels:
+        typer.echo(f"  {wheel.name} (built here, sha256 {wheel.sha256[:12]})")
+
+
+@env_app.command("build")
+def env_build(cluster: ClusterOption = None, accelerator: AcceleratorOption = None) -> None:
+    """Build the environment and put it in the jobs store ahead of the first flow run.
+
+    Example: kinetic-prefect env build --cluster gke --accelerator tpu-v5e-4
+    """
+    from kinetic_prefect.backends import create_backend
+    from kinetic_prefect.backends.environments import ENVIRONMENTS, cluster_builder
+    from kinetic_prefect.common.storage import open_store
+    from kinetic_prefect.errors import EnvironmentBuildError
+
+    block, settings = _target(cluster, None)
+    settings, chosen, plan = _env_plan(cluster, accelerator)
+    jobs_root = settings.resolved_jobs_root()
+    builder = None
+    backend = None
+    if settings.backend == "gke" and settings.environment_builder == "cluster":
+        backend = create_backend(settings, jobs_root, block)
+        builder = cluster_builder(settings, backend)
+    try:
+        shipped = ENVIRONMENTS.ensure(plan, open_store(jobs_root), builder)
+    except EnvironmentBuildError as exc:
+        _fail(str(exc))
+    finally:
+        if backend is not None:
+            backend.close()
+    typer.echo(
+        f"environment {shipped.key} for {chosen.name}: {shipped.archive_uri} "
+        f"({shipped.size / 1e6:.1f} MB, {shipped.files} files)"
+    )

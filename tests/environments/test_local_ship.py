@@ -1,4 +1,4 @@
-"""`environment="ship"` on the local backend: the pod runs a bare Python plus the shipped environment."""
+"""environment="ship" on the local backend: a bare Python plus the shipped environment."""
 
 from __future__ import annotations
 

@@ -7,7 +7,10 @@ per pod) out of their top-level imports; this helper imports them when called.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+SHIPPED_REQUIREMENTS = Path(__file__).parent / "shipped-requirements.txt"
 
 
 def gcs_cluster(gcs: Any, name: str, backend: str = "local") -> str:
@@ -28,5 +31,8 @@ def gcs_cluster(gcs: Any, name: str, backend: str = "local") -> str:
         jobs_bucket=gcs.uri,
         result_storage=GcsBucket.load(f"{name}-results"),
         env=gcs.pod_env,
+        # One shipped environment for the whole suite (tests/conftest.py).
+        requirements=str(SHIPPED_REQUIREMENTS) if backend == "gke" else None,
+        environment_builder="local" if backend == "gke" else None,
     ).save(name, overwrite=True)
     return name

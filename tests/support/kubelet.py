@@ -8,6 +8,14 @@ Kubernetes would (OOMKilled, evicted, preempted, deadline). As Kubernetes'
 TTL-after-finished controller does, it deletes a finished Job (and so its pods)
 `ttlSecondsAfterFinished` after the Job finished.
 
+A container runs the interpreter of its image: a stock `python` image has a bare
+one, with its standard library and pip only (`bare_python()`), so a pod of the
+gke backend can import nothing but what its shipped environment brings. An
+image listed in `images` (a test's own image for `environment="image"`) runs
+that interpreter instead. The kubelet's node keeps its hostPath directories in
+one place for the session (`node_root`), so the node's environment cache serves
+every cluster of the run, as a long-lived node's would.
+
 A container's environment is what its image sets plus its manifest's env, never
 the environment of whoever created the Job. So a pod run here starts from
 `image_env()`, what a python image sets: `PATH` (this interpreter's directory
@@ -24,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import secrets
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +42,8 @@ import aiohttp
 
 from kinetic_prefect.backends.base import PodExit
 from kinetic_prefect.backends.local.backend import LocalBackend
+from kinetic_prefect.backends.local.interpreter import bare_python
+from kinetic_prefect.launch.environment import cache_dir
 from kinetic_prefect.launch.slices import hosts_of
 from tests.support.kube_emulator import JOBS, ClusterEmulator
 from tests.support.kube_objects import (
@@ -53,6 +64,8 @@ from tests.support.pod_env import (
 )
 
 KUBELET_AGENT = "test-kubelet"
+# An image with kinetic-prefect and the tests' libraries: this interpreter (environment="image").
+TEST_IMAGE = "kinetic-prefect-tests:image"
 
 
 def _finished(job: dict[str, Any]) -> bool:
@@ -82,15 +95,21 @@ class Kubelet:
     pod with exit code 0 without running it (for request counting at scale).
     """
 
-    def __init__(self, emulator: ClusterEmulator, workspace: Path) -> None:
+    def __init__(
+        self, emulator: ClusterEmulator, workspace: Path, node_root: Path | None = None
+    ) -> None:
         self.emulator = emulator
         workspace.mkdir(parents=True, exist_ok=True)
         (workspace / "home").mkdir(exist_ok=True)
+        # Image name -> the interpreter it runs; any other image has a bare Python.
+        self.images: dict[str, str] = {TEST_IMAGE: sys.executable}
         self.local = LocalBackend(
             workspace,
             max_parallel=4,
             cancel_grace_seconds=5,
             base_env=image_env(workspace / "home"),
+            interpreter=self.interpreter,
+            node_root=node_root or cache_dir() / "test-node",
         )
         self.workspace = workspace
         # Exceptions of the kubelet's own tasks: a broken kubelet must fail the test.
@@ -111,6 +130,11 @@ class Kubelet:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._ttl_timers: dict[str, asyncio.Task[Any]] = {}
+
+    def interpreter(self, manifest: dict[str, Any]) -> str:
+        """The Python of the pod's image: a test image's, else a stock image's bare one."""
+        image = manifest["spec"]["template"]["spec"]["containers"][0]["image"]
+        return self.images.get(image) or bare_python()
 
     # -- lifecycle ----------------------------------------------------------------------
 

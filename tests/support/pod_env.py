@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import base64
 import json
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,8 +30,10 @@ _SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 def image_env(home: Path) -> dict[str, str]:
     """The environment a python image gives every container: PATH, HOME and LANG."""
+    from kinetic_prefect.backends.local.interpreter import bare_python
+
     return {
-        "PATH": f"{Path(sys.executable).parent}:{_SYSTEM_PATH}",
+        "PATH": f"{Path(bare_python()).parent}:{_SYSTEM_PATH}",
         "HOME": str(home),
         "LANG": "C.UTF-8",
     }
