@@ -27,7 +27,11 @@ def main() -> None:
     parser.add_argument("--namespace", default="default")
     parser.add_argument("--jobs-bucket", required=True)
     parser.add_argument("--results-bucket", required=True)
-    parser.add_argument("--image", help="Container image with your project's dependencies")
+    parser.add_argument(
+        "--image",
+        help="Your own image with every dependency (environment='image'); without it, pods "
+        "start from python:3.X-slim and the task's environment ships with it",
+    )
     # The task pods' account that deployments/k8s/rbac.yaml creates.
     parser.add_argument("--kubernetes-service-account", default="kinetic-prefect-pods")
     parser.add_argument("--service-account-file")
@@ -50,6 +54,7 @@ def main() -> None:
         result_storage=GcsBucket.load(results_name),
         gcp_credentials=credentials,
         container_image=args.image,
+        environment="image" if args.image else None,
         service_account=args.kubernetes_service_account,
     ).save(args.name, overwrite=True)
     print(f"Saved GcsBucket {results_name!r} and KineticCluster {args.name!r}.")

@@ -104,9 +104,10 @@ def ready_environment(
     root: Path,
     store: JobsStore,
     backend: Backend,
-    environments: Environments = ENVIRONMENTS,
+    environments: Environments | None = None,
 ) -> ShippedEnvironment:
     """The launch's environment in the jobs store, built first if it is not there."""
+    environments = environments or ENVIRONMENTS
     plan = environments.plan(
         root,
         accelerator,

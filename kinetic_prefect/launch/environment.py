@@ -17,6 +17,7 @@ docs/environments.md has the whole story.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from kinetic_prefect.common import layout
+from kinetic_prefect.common.env import SHIPPED_ENV_ENV
 from kinetic_prefect.common.storage import JobsStore
 from kinetic_prefect.errors import ConfigurationError, EnvironmentBuildError
 from kinetic_prefect.launch.accelerators import Accelerator
@@ -40,7 +42,7 @@ MODES = ("auto", "ship", "image")
 BUILDERS = ("cluster", "local")
 # The default image is `python:{minor}-slim`: Debian 12, glibc 2.36, x86_64.
 POD_PLATFORM = "x86_64-manylinux_2_36"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 SELF = "kinetic-prefect"
 # Where the bootstrap's source lives, read as text: the pod runs it before kinetic-prefect exists.
 BOOTSTRAP_SOURCE = Path(__file__).resolve().parent.parent / "pod" / "bootstrap.py"
@@ -48,6 +50,10 @@ ARCHIVE_FILE = "environment.tar.gz"
 MANIFEST_FILE = "manifest.json"
 MARKER_FILE = "ready.json"
 SPEC_FILE = "spec.json"
+# In the environment itself: the spec it was built from.
+ENV_SPEC_FILE = "kinetic-environment.json"
+# In an unpacked environment on a node, written once all of it is there.
+UNPACKED_MARKER = ".kinetic-env-ready"
 _DETECTED = ("uv.lock", "pylock.toml", "requirements.txt", "pyproject.toml")
 
 
@@ -413,8 +419,15 @@ def plan_environment(
     extras: Sequence[str] | None = None,
     python: str | None = None,
 ) -> EnvironmentPlan:
-    """The environment a task from the project at `root` ships with on `accelerator`."""
+    """The environment a task from the project at `root` ships with on `accelerator`.
+
+    In a pod that runs on a shipped environment (a worker's flow pod), the task's
+    environment is that one, with `accelerator`'s extras added.
+    """
     python = pod_python(python)
+    inherited = os.environ.get(SHIPPED_ENV_ENV)
+    if inherited:
+        return _plan_from_own_environment(json.loads(inherited), accelerator, index_url, extras)
     user = detect_requirements(root, requirements)
     own_pins, own_sources = self_pins(python)
     added = accelerator_extras(accelerator, own_pins, extras)
@@ -430,6 +443,40 @@ def plan_environment(
         wheels=wheels,
         index_url=index_url,
         requirements_source=user.source,
+        extras=tuple(added),
+    )
+
+
+def _plan_from_own_environment(
+    shipped: dict[str, str],
+    accelerator: Accelerator,
+    index_url: str | None,
+    extras: Sequence[str] | None,
+) -> EnvironmentPlan:
+    """The plan for a task launched from a pod: the pod's own environment plus the extras."""
+    from kinetic_prefect.common.storage import read_uri
+
+    spec = json.loads((Path(shipped["directory"]) / ENV_SPEC_FILE).read_text())
+    added = accelerator_extras(accelerator, spec["pins"], extras)
+    pins = spec["pins"]
+    if added:
+        pins = resolve([*spec["pins"], *added], [], spec["python"], spec["platform"], index_url)
+    prefix = shipped["archive"].rpartition("/")[0]
+    wheels = []
+    for wheel in spec["wheels"]:
+        path = cache_dir() / "wheels" / wheel["sha256"] / wheel["name"]
+        if not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(read_uri(f"{prefix}/wheels/{wheel['name']}"))
+        wheels.append(LocalWheel(wheel["name"], path, wheel["sha256"]))
+    return EnvironmentPlan(
+        key=_key(spec["python"], spec["platform"], pins, wheels),
+        python=spec["python"],
+        platform=spec["platform"],
+        pins=tuple(pins),
+        wheels=tuple(wheels),
+        index_url=index_url or spec.get("index_url"),
+        requirements_source=f"this pod's environment {shipped['key']}",
         extras=tuple(added),
     )
 
@@ -477,30 +524,40 @@ def upload_spec(plan: EnvironmentPlan, store: JobsStore) -> str:
     return store.put_bytes(env_key(plan.key, SPEC_FILE), json.dumps(plan.spec(), indent=1).encode())
 
 
+def _build_here(plan: EnvironmentPlan, built: Path) -> None:
+    """Run the builder (`pod/bootstrap.py build`) on this machine; its output goes to `built`."""
+    with tempfile.TemporaryDirectory(dir=built.parent) as scratch:
+        spec_dir = Path(scratch) / "spec"
+        (spec_dir / "wheels").mkdir(parents=True)
+        for wheel in plan.wheels:
+            (spec_dir / "wheels" / wheel.name).write_bytes(wheel.path.read_bytes())
+        (spec_dir / SPEC_FILE).write_text(json.dumps(plan.spec()))
+        out = Path(scratch) / "out"
+        command = [sys.executable, str(BOOTSTRAP_SOURCE), "build"]
+        command += ["--spec", str(spec_dir / SPEC_FILE), "--out", str(out)]
+        command += ["--built-by", "this machine"]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise EnvironmentBuildError(
+                f"Building environment {plan.key} here failed: {result.stderr.strip()}"
+            )
+        built.mkdir(parents=True, exist_ok=True)
+        os.replace(out / ARCHIVE_FILE, built / ARCHIVE_FILE)
+        os.replace(out / MANIFEST_FILE, built / MANIFEST_FILE)
+
+
 def build_locally(plan: EnvironmentPlan, store: JobsStore) -> ShippedEnvironment:
     """Build the environment on this machine (kept in the cache) and upload it."""
     built = cache_dir() / "environments" / plan.key
     manifest_path = built / MANIFEST_FILE
-    if not manifest_path.is_file():
-        with tempfile.TemporaryDirectory(dir=cache_dir()) as scratch:
-            spec_dir = Path(scratch) / "spec"
-            (spec_dir / "wheels").mkdir(parents=True)
-            for wheel in plan.wheels:
-                (spec_dir / "wheels" / wheel.name).write_bytes(wheel.path.read_bytes())
-            (spec_dir / SPEC_FILE).write_text(json.dumps(plan.spec()))
-            out = Path(scratch) / "out"
-            command = [sys.executable, str(BOOTSTRAP_SOURCE), "build"]
-            command += ["--spec", str(spec_dir / SPEC_FILE), "--out", str(out)]
-            command += ["--built-by", "this machine"]
-            result = subprocess.run(command, capture_output=True, text=True)
-            if result.returncode != 0:
-                raise EnvironmentBuildError(
-                    f"Building environment {plan.key} here failed: {result.stderr.strip()}"
-                )
-            built.mkdir(parents=True, exist_ok=True)
-            os.replace(out / ARCHIVE_FILE, built / ARCHIVE_FILE)
-            os.replace(out / MANIFEST_FILE, manifest_path)
+    built.parent.mkdir(parents=True, exist_ok=True)
+    # One build per environment on this machine, however many processes want it at once.
+    with open(built.parent / f".{plan.key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not manifest_path.is_file():
+            _build_here(plan, built)
     manifest = json.loads(manifest_path.read_text())
+    upload_spec(plan, store)  # its wheels: a flow pod plans its tasks' environments from them
     archive = built / ARCHIVE_FILE
     with open(archive, "rb") as stream:
         archive_uri = store.put_stream(

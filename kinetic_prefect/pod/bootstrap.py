@@ -26,6 +26,7 @@ orchestrator's machine. See docs/environments.md.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import gzip
 import hashlib
 import hmac
@@ -46,6 +47,7 @@ from pathlib import Path
 # Written as in `kinetic_prefect.common` (a unit test keeps them equal): this file
 # cannot import it, since the pod has no kinetic-prefect until the archive is unpacked.
 ENV_CACHE_ENV = "KINETIC_ENV_CACHE"
+SHIPPED_ENV_ENV = "KINETIC_SHIPPED_ENVIRONMENT"
 SIGNING_KEY_ENV = "KINETIC_RECORD_KEY"
 FINAL_STATE_JSON = "final-state.json"
 STATUS_PHASE_FAILED = "phase-failed"
@@ -58,6 +60,8 @@ SPEC_FILE = "spec.json"
 DEFAULT_CACHE = "/tmp/kinetic-env"
 # Inside the unpacked directory, written once the whole archive is there.
 UNPACKED_MARKER = ".kinetic-env-ready"
+# Inside the environment: the spec it was built from (a flow pod plans its tasks' from it).
+ENV_SPEC_FILE = "kinetic-environment.json"
 
 _METADATA_TOKEN_URL = (
     "http://metadata.google.internal/computeMetadata/v1/instance/service-accounts/default/token"
@@ -224,7 +228,16 @@ def ready_environment(archive_uri: str, sha256: str, key: str) -> Path:
     if (target / UNPACKED_MARKER).is_file():
         return target
     cache.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{key[:12]}-", dir=cache))
+    # Pods starting together on a node unpack once: the others wait for the first.
+    with open(cache / f".{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / UNPACKED_MARKER).is_file():
+            _download_and_unpack(archive_uri, sha256, cache, target)
+    return target
+
+
+def _download_and_unpack(archive_uri: str, sha256: str, cache: Path, target: Path) -> None:
+    scratch = Path(tempfile.mkdtemp(prefix=f".{target.name[:12]}-", dir=cache))
     try:
         archive = scratch / ARCHIVE_FILE
         try:
@@ -237,20 +250,16 @@ def ready_environment(archive_uri: str, sha256: str, key: str) -> Path:
         if arrived != sha256:
             raise EnvironmentFailure(
                 f"{archive_uri} has sha256 {arrived}, not {sha256}: it changed after it was "
-                "uploaded, so it is refused; `kinetic-prefect env build --force` uploads it again"
+                "uploaded, so it is refused; `kinetic-prefect env build` uploads it again"
             )
         unpacked = scratch / "env"
         unpack(archive, unpacked)
         archive.unlink()
         (unpacked / UNPACKED_MARKER).write_text(sha256)
-        try:
-            os.rename(unpacked, target)
-        except OSError:
-            if not (target / UNPACKED_MARKER).is_file():
-                raise  # not a pod beside us that finished first
+        shutil.rmtree(target, ignore_errors=True)  # a partial copy of an interrupted pod
+        os.rename(unpacked, target)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    return target
 
 
 def start_module(environment: Path, module: str, args: list[str]) -> None:
@@ -312,6 +321,11 @@ def run(options: argparse.Namespace) -> int:
         f"kinetic-prefect pod: environment {options.key[:12]} ready in "
         f"{time.monotonic() - started:.2f}s\n"
     )
+    # What a runner in this pod (a flow pod's) starts its own task pods from.
+    os.environ[SHIPPED_ENV_ENV] = json.dumps(
+        {"key": options.key, "archive": options.archive, "sha256": options.sha256,
+         "directory": str(environment)}
+    )  # fmt: skip
     start_module(environment, options.module, options.args)
     return 0
 
@@ -386,6 +400,7 @@ def build(options: argparse.Namespace) -> int:
     target = work / "env"
     shutil.rmtree(target, ignore_errors=True)
     install(spec, wheels, target)
+    (target / ENV_SPEC_FILE).write_text(json.dumps(spec, indent=1))
     installed = time.monotonic()
     archive = work / ARCHIVE_FILE
     sha256, files = pack(target, archive)

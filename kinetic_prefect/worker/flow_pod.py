@@ -12,6 +12,7 @@ task pods; those run as the cluster's `service_account`, without a token.
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kinetic_prefect.backends.base import PodExit
 from kinetic_prefect.launch import prefect_context
 from kinetic_prefect.launch.accelerators import parse_accelerator
+from kinetic_prefect.launch.environment import ShippedEnvironment
 from kinetic_prefect.launch.manifest import LaunchSpec, build_job_manifest, new_job_id
 from kinetic_prefect.launch.pod_secrets import PodSecrets, split_env
 from kinetic_prefect.launch.pod_settings import secret_setting_paths
@@ -128,6 +130,11 @@ class FlowPodPlan:
     manifest: dict[str, Any]
     # The manifest only refers to them through `SecretRef`s.
     secrets: PodSecrets
+
+    def with_environment(self, environment: ShippedEnvironment) -> FlowPodPlan:
+        """The same plan with its pod starting from the stock image and `environment`."""
+        spec = dataclasses.replace(self.spec, environment=environment)
+        return dataclasses.replace(self, spec=spec, manifest=build_job_manifest(spec))
 
     def backend_secrets(self) -> dict[str, dict[str, str]]:
         """The secrets as the backend stores them: one Secret, a key per value."""

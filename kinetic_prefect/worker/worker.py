@@ -37,7 +37,10 @@ from pydantic import BaseModel, Field, PrivateAttr
 
 from kinetic_prefect.backends import create_backend
 from kinetic_prefect.backends.base import Backend, PodExit
+from kinetic_prefect.backends.environments import ready_environment
+from kinetic_prefect.common.storage import open_store
 from kinetic_prefect.launch import prefect_context
+from kinetic_prefect.launch.packaging import find_package_root
 from kinetic_prefect.launch.settings import LaunchSettings
 from kinetic_prefect.worker.flow_pod import (
     FLOW_RUN_COMMAND,
@@ -301,6 +304,17 @@ class KineticWorker(BaseWorker[KineticJobConfiguration, KineticVariables, Kineti
         jobs_root = settings.resolved_jobs_root()
         self._check_storage(jobs_root, cluster)
         backend = self._backend_for(settings, jobs_root, configuration.cluster, cluster)
+        if settings.ships_environment():
+            # The flow pod starts from the stock image too; its environment is planned
+            # from the project the worker runs in (its working directory).
+            environment = ready_environment(
+                settings,
+                plan.spec.accelerator,
+                find_package_root(None),
+                open_store(jobs_root),
+                backend,
+            )
+            plan = plan.with_environment(environment)
         pod = _FlowPod(
             job_id=plan.spec.job_id,
             backend=backend,

@@ -408,6 +408,7 @@ def test_deployed_flow_on_gke_runs_as_the_runner_account_and_launches_its_task_p
     from prefect_gcp.cloud_storage import GcsBucket
 
     from kinetic_prefect.blocks import KineticCluster, KineticGcpCredentials
+    from tests.support.clusters import SHIPPED_REQUIREMENTS
 
     runner_account, pods_account = rbac_service_accounts()
     server = stack.server
@@ -421,6 +422,9 @@ def test_deployed_flow_on_gke_runs_as_the_runner_account_and_launches_its_task_p
             service_account=pods_account,
             result_storage=GcsBucket.load(deployed_flows.GKE_RESULTS),
             env=gcs.pod_env,
+            # The suite's one shipped environment (tests/conftest.py), built here.
+            requirements=str(SHIPPED_REQUIREMENTS),
+            environment_builder="local",
         ).save(deployed_flows.GKE_CLUSTER, overwrite=True)
     server.cli("work-pool", "create", "--type", "kinetic", GKE_POOL)
     worker_dir = tmp_path / "gke-worker"

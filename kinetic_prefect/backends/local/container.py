@@ -19,6 +19,7 @@ from typing import Any
 from prefect.logging import get_logger
 
 from kinetic_prefect.backends.base import OnExit, Secrets
+from kinetic_prefect.backends.local.interpreter import started_from_node_copy
 from kinetic_prefect.backends.local.template import TemplateChild, forkable, templates
 from kinetic_prefect.data.data import materialise_fuse_volume
 from kinetic_prefect.launch.manifest import GCSFUSE_DRIVER, container_of
@@ -83,6 +84,9 @@ def start_process(
 
     Either way it leads a session of its own and writes stdout and stderr to `log_path`.
     """
+    from_node = started_from_node_copy(command, env)
+    if from_node is not None:
+        command, env = from_node
     if forkable(command):
         try:
             return templates.spawn(command, env, cwd, log_path)

@@ -11,14 +11,17 @@ so a local run proves what GKE will run. Other pods run this interpreter.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
 import subprocess
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
-from kinetic_prefect.launch.environment import cache_dir
+from kinetic_prefect.common.env import ENV_CACHE_ENV, SHIPPED_ENV_ENV
+from kinetic_prefect.launch.environment import UNPACKED_MARKER, cache_dir
 from kinetic_prefect.launch.manifest import container_of
 
 
@@ -45,6 +48,36 @@ def runs_bootstrap(manifest: Mapping[str, Any]) -> bool:
     """Whether the pod's container runs the shipped-environment bootstrap (`python -c`)."""
     command = container_of(manifest).get("command", [])
     return command[:2] in (["python", "-c"], ["python3", "-c"])
+
+
+def started_from_node_copy(
+    command: list[str], env: Mapping[str, str]
+) -> tuple[list[str], dict[str, str]] | None:
+    """A bootstrap pod whose environment the node already holds, as the bootstrap would run it.
+
+    On a node cache hit the bootstrap only puts the unpacked environment first on
+    the path and runs its module; this is that command (`python -m MODULE ARGS`)
+    and environment, so the local backend can fork the pod from a template
+    preloaded from the node's copy. None when the node must download it first.
+    """
+    if command[1:2] != ["-c"] or command[3:4] != ["run"] or "--" not in command:
+        return None
+    split = command.index("--")
+    options = dict(zip(command[4:split:2], command[5:split:2], strict=False))
+    cache = env.get(ENV_CACHE_ENV)
+    if not cache or "--key" not in options or "--module" not in options:
+        return None
+    directory = Path(cache) / options["--key"]
+    if not (directory / UNPACKED_MARKER).is_file():
+        return None
+    shipped = {
+        "key": options["--key"],
+        "archive": options.get("--archive", ""),
+        "sha256": options.get("--sha256", ""),
+        "directory": str(directory),
+    }
+    rewritten = {**env, "PYTHONPATH": str(directory), SHIPPED_ENV_ENV: json.dumps(shipped)}
+    return [command[0], "-m", options["--module"], *command[split + 1 :]], rewritten
 
 
 def default_interpreter(manifest: Mapping[str, Any]) -> str:

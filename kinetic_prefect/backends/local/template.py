@@ -83,10 +83,10 @@ def startup_env(env: Mapping[str, str]) -> dict[str, str]:
 
 
 def forkable(command: list[str]) -> bool:
-    """Whether a pod with this command can fork from a template (the pod runtime, this Python)."""
+    """Whether a pod with this command can fork from a template (`python -m` the pod runtime)."""
     if os.environ.get(TEMPLATE_ENV, "1").strip().lower() in {"0", "false", "no", "off"}:
         return False
-    return command[:3] == [sys.executable, "-m", POD_MODULE] and hasattr(os, "pidfd_open")
+    return command[1:3] == ["-m", POD_MODULE] and hasattr(os, "pidfd_open")
 
 
 class TemplateChild:
@@ -113,13 +113,13 @@ class TemplateChild:
 class PodTemplate:
     """One template process and its control socket."""
 
-    def __init__(self, env: Mapping[str, str]) -> None:
+    def __init__(self, env: Mapping[str, str], interpreter: str = sys.executable) -> None:
         self.env = dict(env)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._control = ours
         with theirs:
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "kinetic_prefect.pod.template", str(theirs.fileno())],
+                [interpreter, "-m", "kinetic_prefect.pod.template", str(theirs.fileno())],
                 env=self.env,
                 cwd="/",
                 pass_fds=[theirs.fileno()],
@@ -199,22 +199,23 @@ class PodTemplate:
 
 
 class PodTemplates:
-    """This process's templates, by startup environment."""
+    """This process's templates, by interpreter and startup environment."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._templates: dict[frozenset[tuple[str, str]], PodTemplate] = {}
+        self._templates: dict[tuple[str, frozenset[tuple[str, str]]], PodTemplate] = {}
         atexit.register(self.close)
 
     def spawn(
         self, command: list[str], env: Mapping[str, str], cwd: Path, log: Path
     ) -> tuple[TemplateChild, int]:
-        key = frozenset(startup_env(env).items())
+        startup = frozenset(startup_env(env).items())
+        key = (command[0], startup)
         with self._lock:
             template = self._templates.get(key)
             if template is None or template.closed:
                 self._make_room()
-                template = self._templates[key] = PodTemplate(dict(key))
+                template = self._templates[key] = PodTemplate(dict(startup), command[0])
         return template.spawn(command[3:], env, cwd, log)
 
     def _make_room(self) -> None:

@@ -1,0 +1,167 @@
+"""Shipped environments on the emulated cluster: built by a builder Job, verified in the pod."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+from prefect import flow, task
+
+from kinetic_prefect import KineticTaskRunner
+from kinetic_prefect.backends import environments
+from kinetic_prefect.errors import EnvironmentBuildError
+from kinetic_prefect.launch.accelerators import parse_accelerator
+from kinetic_prefect.launch.environment import Environments, build_locally, plan_environment
+from tests.support.clusters import SHIPPED_REQUIREMENTS
+
+REPO = Path(__file__).resolve().parents[2]
+
+if TYPE_CHECKING:
+    from tests.support.kube import KubeCluster
+
+pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
+
+
+@task
+def shipped_versions(x: int) -> tuple[int, str, str]:
+    import inflection
+    import jax.numpy as jnp
+
+    return int(jnp.square(x)), inflection.__version__, jnp.__name__
+
+
+def _runner(gke: str, **options: object) -> KineticTaskRunner:
+    return KineticTaskRunner(cluster=gke, allow_loopback_api=True, **options)
+
+
+def _manifest(gcs: object, prefix: str) -> dict[str, object]:
+    blobs = [b for b in gcs.names("env-cache/") if b.endswith("/manifest.json")]  # type: ignore[attr-defined]
+    assert len(blobs) == 1, blobs
+    blob = gcs.client.bucket(gcs.name).blob(blobs[0])  # type: ignore[attr-defined]
+    return json.loads(blob.download_as_bytes())
+
+
+def test_a_sweep_importing_jax_and_a_shipped_package_completes_on_the_default_image(
+    gke: str, cluster: KubeCluster
+) -> None:
+    @flow(task_runner=_runner(gke))
+    def sweep() -> list[tuple[int, str, str]]:
+        return [f.result() for f in shipped_versions.map([1, 2, 3])]
+
+    assert sweep() == [
+        (1, "0.5.1", "jax.numpy"),
+        (4, "0.5.1", "jax.numpy"),
+        (9, "0.5.1", "jax.numpy"),
+    ]
+    for job in cluster.created_jobs():
+        container = job["spec"]["template"]["spec"]["containers"][0]
+        assert container["image"].startswith("python:3.") and container["image"].endswith("-slim")
+        assert container["command"][:2] == ["python", "-c"]
+
+
+def test_a_new_environment_is_built_by_a_builder_job_with_the_key_the_local_builder_gives(
+    gke: str, cluster: KubeCluster, gcs: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The builder Job installs from the package index with uv, as on a cluster.
+
+    The node's uv cache is this machine's (`UV_CACHE_DIR` in the pods' env), so the
+    wheels are not downloaded again; what it installs and packs is the builder's own work.
+    """
+    monkeypatch.setattr(environments, "ENVIRONMENTS", Environments())
+    uv_cache = os.environ.get("UV_CACHE_DIR") or str(Path.home() / ".cache" / "uv")
+    # This machine reaches the package index through a proxy whose CA only its own
+    # trust store has: the builder pod is told to trust it, as an image would be.
+    trust = {k: os.environ[k] for k in ("SSL_CERT_FILE", "PIP_CERT") if k in os.environ}
+
+    @flow(
+        task_runner=_runner(
+            gke,
+            environment_builder="cluster",
+            env={**gcs.pod_env, **trust, "UV_CACHE_DIR": uv_cache},  # type: ignore[attr-defined]
+        )
+    )
+    def built_on_the_cluster() -> tuple[int, str, str]:
+        return shipped_versions.submit(3).result()
+
+    assert built_on_the_cluster() == (9, "0.5.1", "jax.numpy")
+    builders = [j for j in cluster.created_jobs() if j["metadata"]["name"].startswith("kp-env-")]
+    assert len(builders) == 1
+    on_cluster = _manifest(gcs, "env-cache/")
+    assert on_cluster["built_by"] == "builder Job"
+
+    plan = plan_environment(REPO, parse_accelerator("cpu"), str(SHIPPED_REQUIREMENTS))
+    local = build_locally(plan, _local_store(Path("local-store")))
+    assert local.key == on_cluster["key"]
+    built_here = json.loads(
+        (Path("local-store") / "env-cache" / local.key / "manifest.json").read_text()
+    )
+    assert (built_here["pins"], built_here["files"]) == (on_cluster["pins"], on_cluster["files"])
+
+
+def _local_store(root: Path):  # type: ignore[no-untyped-def]
+    from kinetic_prefect.common.storage import LocalStore
+
+    return LocalStore(root)
+
+
+def test_an_archive_changed_after_upload_is_refused_in_the_pod(
+    gke: str, cluster: KubeCluster, gcs: object, tmp_path: Path
+) -> None:
+    # A node that has not unpacked the environment yet must download and check it.
+    cluster.kubelet.local.node_root = tmp_path / "fresh-node"
+
+    @flow(task_runner=_runner(gke))
+    def once() -> tuple[int, str, str]:
+        return shipped_versions.submit(2).result()
+
+    once()
+    archive = next(n for n in gcs.names("env-cache/") if n.endswith("environment.tar.gz"))  # type: ignore[attr-defined]
+    bucket = gcs.client.bucket(gcs.name)  # type: ignore[attr-defined]
+    bucket.blob(archive).upload_from_string(b"not the environment that was built")
+    cluster.kubelet.local.node_root = tmp_path / "another-fresh-node"
+
+    with pytest.raises(
+        Exception, match="Failed during environment: .* changed after it was uploaded"
+    ):
+        once()
+
+
+@task
+def never_runs() -> None:
+    raise AssertionError("no pod may start")
+
+
+def test_an_unresolvable_requirement_fails_before_any_pod_starts_naming_it(
+    gke: str, cluster: KubeCluster
+) -> None:
+    @flow(task_runner=_runner(gke, requirements=["kinetic-prefect-no-such-package==9.9.9"]))
+    def unresolvable() -> None:
+        never_runs.submit().result()
+
+    with pytest.raises(EnvironmentBuildError, match="kinetic-prefect-no-such-package"):
+        unresolvable()
+    assert cluster.created_jobs() == []
+
+
+def test_a_dependency_from_a_local_path_outside_the_project_says_how_to_ship_it(
+    gke: str, cluster: KubeCluster, tmp_path: Path
+) -> None:
+    outside = tmp_path / "outside" / "mylib"
+    outside.mkdir(parents=True)
+    (outside / "pyproject.toml").write_text(
+        '[project]\nname = "mylib"\nversion = "0.1"\n[build-system]\n'
+        'requires = ["hatchling"]\nbuild-backend = "hatchling.build"\n'
+    )
+    (outside / "mylib").mkdir()
+    (outside / "mylib" / "__init__.py").write_text("")
+
+    @flow(task_runner=_runner(gke, requirements=[f"mylib @ file://{outside}"]))
+    def from_a_path() -> None:
+        never_runs.submit().result()
+
+    with pytest.raises(EnvironmentBuildError, match="outside the project.*Publish it"):
+        from_a_path()
+    assert cluster.created_jobs() == []
