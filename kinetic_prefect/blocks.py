@@ -174,6 +174,11 @@ class KineticCluster(Block):
     package_index_url: str | None = Field(
         default=None, description="The package index environments are built from (a mirror)."
     )
+    environment_store: str | None = Field(
+        default=None,
+        description="Where shipped environments are kept (gs://bucket[/prefix]); the jobs "
+        "bucket when unset. Pods must be able to read it.",
+    )
     env: dict[str, str] = Field(
         default_factory=dict,
         description="Environment variables for every pod launched with this cluster; a "
@@ -218,5 +223,6 @@ def cluster_settings(cluster: KineticCluster) -> dict[str, Any]:
         "requirements": cluster.requirements,
         "environment_builder": cluster.environment_builder,
         "package_index_url": cluster.package_index_url,
+        "environment_store": cluster.environment_store,
         "env": dict(cluster.env),
     }

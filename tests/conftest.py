@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 
@@ -118,10 +119,17 @@ def gcs_endpoint(gcs_server: str) -> str:
     return gcs_server
 
 
+# One bucket per GCS server for shipped environments: the suite's one environment is
+# uploaded once per server, not once per test bucket (`environment_store`).
+ENVIRONMENTS_BUCKET = "kp-environments"
+
+
 @pytest.fixture
 def gcs(gcs_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[GcsTestBucket]:
     """Emulator mode for this process and its pods, with a fresh bucket."""
     import uuid
+
+    from google.api_core.exceptions import Conflict
 
     from kinetic_prefect.common import gcs as kgcs
 
@@ -131,7 +139,14 @@ def gcs(gcs_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[GcsTestB
     kgcs._clients.clear()
     client = kgcs.storage_client()
     bucket = client.create_bucket(f"kp-{uuid.uuid4().hex[:12]}")
-    yield GcsTestBucket(name=bucket.name, client=client, pod_env=emulator_env)
+    with contextlib.suppress(Conflict):
+        client.create_bucket(ENVIRONMENTS_BUCKET)
+    yield GcsTestBucket(
+        name=bucket.name,
+        client=client,
+        pod_env=emulator_env,
+        environment_store=f"gs://{ENVIRONMENTS_BUCKET}",
+    )
     kgcs._clients.clear()
 
 
@@ -141,6 +156,8 @@ class GcsTestBucket:
     client: Any
     # What pods need to reach the emulator: on a cluster, only a manifest's env carries it.
     pod_env: dict[str, str]
+    # Where gke test clusters keep shipped environments: shared by the tests of a GCS server.
+    environment_store: str = ""
 
     @property
     def uri(self) -> str:

@@ -445,10 +445,10 @@ def env_show(cluster: ClusterOption = None, accelerator: AcceleratorOption = Non
     typer.echo(f"python:       {plan.python} ({plan.platform})")
     typer.echo(f"requirements: {plan.requirements_source}")
     typer.echo(f"extras:       {', '.join(plan.extras) or '-'}")
-    jobs_root = settings.resolved_jobs_root()
-    stored = stored_environment(open_store(jobs_root), plan.key)
+    store_root = settings.resolved_environment_store()
+    stored = stored_environment(open_store(store_root), plan.key)
     if stored is None:
-        typer.echo(f"store:        not in {jobs_root} yet (kinetic-prefect env build)")
+        typer.echo(f"store:        not in {store_root} yet (kinetic-prefect env build)")
     else:
         typer.echo(
             f"store:        {stored.archive_uri} ({stored.size / 1e6:.1f} MB, {stored.files} files)"
@@ -480,7 +480,8 @@ def env_build(cluster: ClusterOption = None, accelerator: AcceleratorOption = No
         backend = create_backend(settings, jobs_root, block)
         builder = cluster_builder(settings, backend)
     try:
-        shipped = ENVIRONMENTS.ensure(plan, open_store(jobs_root), builder)
+        store = open_store(settings.resolved_environment_store())
+        shipped = ENVIRONMENTS.ensure(plan, store, builder)
     except EnvironmentBuildError as exc:
         _fail(str(exc))
     finally:

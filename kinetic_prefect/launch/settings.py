@@ -74,6 +74,9 @@ class LaunchSettings:
     package_index_url: str | None = None
     # What the accelerator adds (default: jax's TPU or CUDA parts); [] adds nothing.
     accelerator_extras: tuple[str, ...] | None = None
+    # Where shipped environments are kept (`env-cache/` below it): the jobs store unless set,
+    # e.g. one bucket for every team's jobs buckets.
+    environment_store: str | None = None
 
     def resolved_jobs_root(self) -> str:
         """Where `kinetic/{job_id}/…` artifacts live: a `gs://bucket[/prefix]` or a local dir."""
@@ -89,6 +92,10 @@ class LaunchSettings:
     def resolved_image(self) -> str:
         """The pod container image; the local backend runs this interpreter whatever it is."""
         return self.container_image or DEFAULT_IMAGE
+
+    def resolved_environment_store(self) -> str:
+        """The store root of shipped environments: `environment_store`, else the jobs store."""
+        return (self.environment_store or self.resolved_jobs_root()).rstrip("/")
 
     def ships_environment(self) -> bool:
         """Whether the task's environment travels with it ("auto": on gke, not on local)."""
@@ -133,6 +140,7 @@ _ENV_PARSERS: dict[str, Any] = {
     "requirements": str,
     "environment_builder": str,
     "package_index_url": str,
+    "environment_store": str,
     "accelerator_extras": lambda v: tuple(p.strip() for p in v.split(",") if p.strip()),
 }
 ENV_ALIASES = {"jobs_root": ("KINETIC_JOBS_ROOT", "KINETIC_JOBS_BUCKET")}

@@ -281,7 +281,7 @@ def start_module(environment: Path, module: str, args: list[str]) -> None:
 
 def record_failure(job_dir: str, message: str, error: BaseException) -> None:
     """Leave the phase failure in the job directory, as the pod runtime's phases do."""
-    record = {
+    record: dict[str, object] = {
         "status": STATUS_PHASE_FAILED,
         "phase": PHASE,
         "error_type": type(error).__name__,

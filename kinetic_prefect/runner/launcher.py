@@ -156,7 +156,11 @@ class Launcher:
         environment = None
         if settings.ships_environment():
             environment = ready_environment(
-                settings, launch.attempt_accelerator(), root, store, backend
+                settings,
+                launch.attempt_accelerator(),
+                root,
+                open_store(settings.resolved_environment_store()),
+                backend,
             )
         payload_uri, payload_sha256, code = self._upload_attempt(launch, store, root)
         secrets = self._pod_secrets(launch)

@@ -311,7 +311,7 @@ class KineticWorker(BaseWorker[KineticJobConfiguration, KineticVariables, Kineti
                 settings,
                 plan.spec.accelerator,
                 find_package_root(None),
-                open_store(jobs_root),
+                open_store(settings.resolved_environment_store()),
                 backend,
             )
             plan = plan.with_environment(environment)

@@ -80,6 +80,7 @@ def test_a_new_environment_is_built_by_a_builder_job_with_the_key_the_local_buil
         task_runner=_runner(
             gke,
             environment_builder="cluster",
+            environment_store=gcs.uri,  # type: ignore[attr-defined]
             env={**gcs.pod_env, **trust, "UV_CACHE_DIR": uv_cache},  # type: ignore[attr-defined]
         )
     )
@@ -113,7 +114,8 @@ def test_an_archive_changed_after_upload_is_refused_in_the_pod(
     # A node that has not unpacked the environment yet must download and check it.
     cluster.kubelet.local.node_root = tmp_path / "fresh-node"
 
-    @flow(task_runner=_runner(gke))
+    # A store of its own: the archive is replaced below.
+    @flow(task_runner=_runner(gke, environment_store=gcs.uri))  # type: ignore[attr-defined]
     def once() -> tuple[int, str, str]:
         return shipped_versions.submit(2).result()
 

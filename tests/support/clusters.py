@@ -34,5 +34,6 @@ def gcs_cluster(gcs: Any, name: str, backend: str = "local") -> str:
         # One shipped environment for the whole suite (tests/conftest.py).
         requirements=str(SHIPPED_REQUIREMENTS) if backend == "gke" else None,
         environment_builder="local" if backend == "gke" else None,
+        environment_store=gcs.environment_store or None,
     ).save(name, overwrite=True)
     return name

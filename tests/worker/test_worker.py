@@ -425,6 +425,7 @@ def test_deployed_flow_on_gke_runs_as_the_runner_account_and_launches_its_task_p
             # The suite's one shipped environment (tests/conftest.py), built here.
             requirements=str(SHIPPED_REQUIREMENTS),
             environment_builder="local",
+            environment_store=gcs.environment_store,
         ).save(deployed_flows.GKE_CLUSTER, overwrite=True)
     server.cli("work-pool", "create", "--type", "kinetic", GKE_POOL)
     worker_dir = tmp_path / "gke-worker"
