@@ -174,6 +174,11 @@ class KineticCluster(Block):
     package_index_url: str | None = Field(
         default=None, description="The package index environments are built from (a mirror)."
     )
+    accelerator_extras: list[str] | None = Field(
+        default=None,
+        description="What an accelerator adds to a shipped environment (default: jax[tpu] "
+        "on a TPU, jax[cuda12] on a GPU); an empty list adds nothing.",
+    )
     environment_store: str | None = Field(
         default=None,
         description="Where shipped environments are kept (gs://bucket[/prefix]); the jobs "
@@ -224,5 +229,6 @@ def cluster_settings(cluster: KineticCluster) -> dict[str, Any]:
         "environment_builder": cluster.environment_builder,
         "package_index_url": cluster.package_index_url,
         "environment_store": cluster.environment_store,
+        "accelerator_extras": cluster.accelerator_extras,
         "env": dict(cluster.env),
     }

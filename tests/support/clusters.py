@@ -35,5 +35,7 @@ def gcs_cluster(gcs: Any, name: str, backend: str = "local") -> str:
         requirements=str(SHIPPED_REQUIREMENTS) if backend == "gke" else None,
         environment_builder="local" if backend == "gke" else None,
         environment_store=gcs.environment_store or None,
+        # No TPU or GPU here: their jax parts would only add gigabytes to the one environment.
+        accelerator_extras=[] if backend == "gke" else None,
     ).save(name, overwrite=True)
     return name

@@ -426,6 +426,7 @@ def test_deployed_flow_on_gke_runs_as_the_runner_account_and_launches_its_task_p
             requirements=str(SHIPPED_REQUIREMENTS),
             environment_builder="local",
             environment_store=gcs.environment_store,
+            accelerator_extras=[],
         ).save(deployed_flows.GKE_CLUSTER, overwrite=True)
     server.cli("work-pool", "create", "--type", "kinetic", GKE_POOL)
     worker_dir = tmp_path / "gke-worker"
