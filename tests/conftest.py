@@ -124,6 +124,36 @@ def gcs_endpoint(gcs_server: str) -> str:
 ENVIRONMENTS_BUCKET = "kp-environments"
 
 
+@pytest.fixture(scope="session")
+def suite_environment(gcs_server: str, shipped_requirements: Path) -> str:
+    """The suite's one shipped environment, in this GCS server's environments bucket.
+
+    Built (or found in this machine's cache) and uploaded before the first gke
+    test, so no test's timing includes the upload; the tests still go through
+    the same lookup, and every pod still unpacks or finds it on its node.
+    """
+    from google.api_core.exceptions import Conflict
+
+    from kinetic_prefect.backends.environments import ENVIRONMENTS
+    from kinetic_prefect.common import gcs as kgcs
+    from kinetic_prefect.launch.accelerators import parse_accelerator
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("STORAGE_EMULATOR_HOST", gcs_server)
+        kgcs._clients.clear()
+        with contextlib.suppress(Conflict):
+            kgcs.storage_client().create_bucket(ENVIRONMENTS_BUCKET)
+        plan = ENVIRONMENTS.plan(
+            Path(__file__).resolve().parents[1],
+            parse_accelerator("cpu"),
+            requirements=str(shipped_requirements),
+            extras=(),
+        )
+        ENVIRONMENTS.ensure(plan, kgcs.GcsStore(f"gs://{ENVIRONMENTS_BUCKET}"), None)
+        kgcs._clients.clear()
+    return f"gs://{ENVIRONMENTS_BUCKET}"
+
+
 @pytest.fixture
 def gcs(gcs_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[GcsTestBucket]:
     """Emulator mode for this process and its pods, with a fresh bucket."""
@@ -179,7 +209,7 @@ def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[KubeClu
 
 
 @pytest.fixture
-def gke(gcs: object, cluster: KubeCluster) -> Iterator[str]:
+def gke(gcs: object, cluster: KubeCluster, suite_environment: str) -> Iterator[str]:
     """A saved gke KineticCluster with jobs and results in the fake GCS bucket.
 
     Every GKE-backend case runs with known values for Prefect's secret settings, and

@@ -402,7 +402,7 @@ def rbac_service_accounts() -> tuple[str, str]:
 
 
 def test_deployed_flow_on_gke_runs_as_the_runner_account_and_launches_its_task_pods_there(
-    stack: Stack, gcs, cluster, tmp_path: Path
+    stack: Stack, gcs, cluster, suite_environment, tmp_path: Path
 ):
     from prefect.utilities.callables import parameter_schema
     from prefect_gcp.cloud_storage import GcsBucket
