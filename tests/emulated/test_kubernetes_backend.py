@@ -166,7 +166,84 @@ def test_job_created_despite_an_error_response_is_watched_not_abandoned(gke, clu
         return cube.submit(2).result()
 
     assert run() == 8
-    assert len(cluster.created_jobs()) == 1
+    # Its retry found the Job the lost answer had created: one Job, under one name.
+    assert len({j["metadata"]["name"] for j in cluster.created_jobs()}) == 1
+
+
+def _job_posts(cluster: KubeCluster) -> list[object]:
+    return [
+        r
+        for r in cluster.client_requests()
+        if r.method.value == "POST" and r.resource is not None and r.resource.plural == "jobs"
+    ]
+
+
+def _flow_of_one_cube(runner: KineticTaskRunner) -> tuple[int, str]:
+    @flow(task_runner=runner)
+    def run() -> tuple[int, str]:
+        future = cube.submit(2)
+        return future.result(), future.job_id
+
+    return run()
+
+
+def test_a_job_create_answered_503_once_still_runs_its_task(gke, cluster):
+    cluster.fail_next("post", "jobs", 503, "ServiceUnavailable", "etcdserver: leader changed")
+
+    result, job_id = _flow_of_one_cube(_runner(gke))
+
+    assert result == 8
+    assert [j["metadata"]["name"] for j in cluster.jobs()] == [job_id]
+    assert len(_job_posts(cluster)) == 2
+
+
+def test_a_job_create_answered_429_waits_its_retry_after_and_runs_its_task(gke, cluster):
+    cluster.fail_next(
+        "post",
+        "jobs",
+        429,
+        "TooManyRequests",
+        "Too many requests, please try again later.",
+        retry_after=2,
+    )
+
+    result, job_id = _flow_of_one_cube(_runner(gke))
+
+    first, second = _job_posts(cluster)
+    arrived = cluster.call(lambda: dict(cluster.emulator.arrived_at))
+    assert result == 8
+    assert [j["metadata"]["name"] for j in cluster.jobs()] == [job_id]
+    assert arrived[second.id] - arrived[first.id] >= 2
+
+
+@pytest.mark.parametrize(
+    ("code", "reason", "message", "says"),
+    [
+        (
+            422,
+            "Invalid",
+            'Job.batch "kp-x" is invalid: spec.template.spec.containers[0].image: Required value',
+            "422 Invalid: Job.batch",
+        ),
+        (
+            403,
+            "Forbidden",
+            'jobs.batch is forbidden: User "ci" cannot create resource "jobs"',
+            "apply deployments/k8s/rbac.yaml",
+        ),
+    ],
+)
+def test_a_job_create_refused_for_good_is_not_retried_and_fails_saying_why(
+    gke, cluster, code, reason, message, says
+):
+    cluster.fail_next("post", "jobs", code, reason, message)
+
+    state, failure, _ = _failed_run(_runner(gke))
+
+    assert state == "FAILED"
+    assert says in failure and message in failure
+    assert len(_job_posts(cluster)) == 1
+    assert cluster.jobs() == []
 
 
 # -- watching --------------------------------------------------------------------------------

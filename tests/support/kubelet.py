@@ -13,7 +13,8 @@ the environment of whoever created the Job. So a pod run here starts from
 `image_env()`, what a python image sets: `PATH` (this interpreter's directory
 first, standing in for the image's `/usr/local/bin`, then the system
 directories), `HOME` (a directory of the kubelet's own, as a fresh container
-filesystem has) and `LANG=C.UTF-8`; then its manifest's env; then `KUBECONFIG`,
+filesystem has), `LANG=C.UTF-8` and a `PYTHONPATH` that holds only the
+kinetic_prefect under test (installed in the image); then its manifest's env; then `KUBECONFIG`,
 the test-only stand-in for a mounted service-account token (tests/support/pod_env.py).
 Anything else a pod needs, such as the GCS emulator's address, must travel in
 the manifest as a user's settings would.

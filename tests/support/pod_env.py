@@ -30,12 +30,28 @@ _SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 def image_env(home: Path) -> dict[str, str]:
-    """The environment a python image gives every container: PATH, HOME and LANG."""
+    """The environment a python image gives every container: PATH, HOME and LANG.
+
+    And `PYTHONPATH` to a directory holding only the kinetic_prefect under test: an
+    image has the checkout it was built from installed, while this interpreter's
+    editable install may point at another checkout (a git worktree's tests).
+    """
     return {
         "PATH": f"{Path(sys.executable).parent}:{_SYSTEM_PATH}",
         "HOME": str(home),
         "LANG": "C.UTF-8",
+        "PYTHONPATH": str(_image_site(home.parent / "image-site")),
     }
+
+
+def _image_site(site: Path) -> Path:
+    import kinetic_prefect
+
+    package = site / "kinetic_prefect"
+    if not package.exists():
+        site.mkdir(parents=True, exist_ok=True)
+        package.symlink_to(Path(kinetic_prefect.__file__).parent, target_is_directory=True)
+    return site
 
 
 def service_account_token(namespace: str, account: str) -> str:

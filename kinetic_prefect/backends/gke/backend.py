@@ -35,6 +35,7 @@ from kinetic_prefect.backends.gke.client import (
     MANAGED_SELECTOR,
     api_error_message,
     connect,
+    create_idempotently,
     pods_of_job,
     read_json,
 )
@@ -61,6 +62,10 @@ logger = get_logger("kinetic_prefect.backends.gke.backend")
 
 # Which backend instance (runner) owns a Job: its watch selects on this label only.
 LABEL_RUNNER = "kinetic-prefect.io/runner"
+
+
+def _labels(obj: Any) -> dict[str, str]:
+    return dict(((obj or {}).get("metadata") or {}).get("labels") or {})
 
 
 class KubernetesBackend(JobEnding):
@@ -266,16 +271,22 @@ class KubernetesBackend(JobEnding):
     async def _create(self, job: TrackedJob) -> None:
         self._active += 1
         job.counted = True
-        created: dict[str, Any] | None = None
+        created: dict[str, Any] | None
         try:
-            created = await read_json(
-                await self._batch.create_namespaced_job(
+            created = await create_idempotently(
+                lambda: self._batch.create_namespaced_job(
                     job.namespace, body=job.manifest, _preload_content=False
-                )
+                ),
+                lambda: self._batch.read_namespaced_job(
+                    job.job_id, job.namespace, _preload_content=False
+                ),
+                lambda found: _labels(found).get(LABEL_JOB_ID) == job.job_id,
+                f"Job {job.namespace}/{job.job_id}",
             )
         except Exception as exc:
-            # A lost response or a retried request may still have created the Job.
-            if not await self._job_exists(job):
+            # The last attempt's answer may have been lost after the Job was stored.
+            created = await self._existing_job(job)
+            if created is None:
                 self._active -= 1
                 job.counted = False
                 raise RuntimeError(
@@ -286,15 +297,9 @@ class KubernetesBackend(JobEnding):
         if job.extra_objects:
             await self._create_services(job, created)
 
-    async def _create_services(self, job: TrackedJob, created: dict[str, Any] | None) -> None:
+    async def _create_services(self, job: TrackedJob, created: dict[str, Any]) -> None:
         """A slice's headless Service, owned by its Job; without it the hosts cannot meet."""
         try:
-            if created is None:
-                created = await read_json(
-                    await self._batch.read_namespaced_job(
-                        job.job_id, job.namespace, _preload_content=False
-                    )
-                )
             await create_services(self._core, job.namespace, job.extra_objects, created)
         except Exception as exc:
             self._start_failing(
@@ -303,7 +308,8 @@ class KubernetesBackend(JobEnding):
                 "(the runner's service account needs create/delete on services)",
             )
 
-    async def _job_exists(self, job: TrackedJob) -> bool:
+    async def _existing_job(self, job: TrackedJob) -> dict[str, Any] | None:
+        """The Job under this job's name if it is this job's; None if there is none."""
         try:
             found = await read_json(
                 await self._batch.read_namespaced_job(
@@ -311,9 +317,8 @@ class KubernetesBackend(JobEnding):
                 )
             )
         except Exception:
-            return False
-        labels = (found.get("metadata") or {}).get("labels") or {}
-        return bool(labels.get(LABEL_JOB_ID) == job.job_id)
+            return None
+        return dict(found) if _labels(found).get(LABEL_JOB_ID) == job.job_id else None
 
     # -- jobs of other runners ----------------------------------------------------------
 
