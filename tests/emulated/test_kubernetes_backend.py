@@ -458,6 +458,61 @@ def test_api_key_reaches_pods_only_through_the_kubernetes_secret(gke, cluster, g
     assert leaks == []
 
 
+def _last_state_of_secret(cluster: KubeCluster, name: str) -> dict[str, object]:
+    events = cluster.call(lambda: list(cluster.emulator.events))
+    states = [e["object"] for _, r, e in events if r.plural == "secrets"]
+    return [obj for obj in states if obj["metadata"]["name"] == name][-1]
+
+
+def test_the_runners_secret_is_owned_by_every_job_that_reads_it(gke, cluster):
+    cluster.kubelet.run_containers = False
+
+    @flow(task_runner=_runner(gke))
+    def fan_out() -> None:
+        wait(trivial.map(range(4)))
+
+    fan_out()
+
+    (secret,) = {s["metadata"]["name"] for s in cluster.created("secrets")}
+    owners = _last_state_of_secret(cluster, secret)["metadata"]["ownerReferences"]
+    jobs = cluster.jobs()
+    assert {o["uid"] for o in owners} == {j["metadata"]["uid"] for j in jobs}
+    assert {(o["apiVersion"], o["kind"]) for o in owners} == {("batch/v1", "Job")}
+    assert not any(o["controller"] or o["blockOwnerDeletion"] for o in owners)
+    assert cluster.secret("default", secret) is None  # deleted when the runner closed
+
+
+def _wait_for_file(path: str) -> None:
+    wait_until(lambda: Path(path).exists(), 120, f"{path} to exist")
+
+
+def test_a_secret_collected_with_its_last_job_is_created_again_for_the_next_one(
+    gke, cluster, workdir
+):
+    gate = workdir / "gate"
+
+    def collect_between_tasks() -> None:
+        wait_until(lambda: cluster.created_jobs(), 60, "the first Job")
+        wait_until(
+            lambda: not cluster.jobs() and not cluster.secrets(), 60, "Job and Secret collected"
+        )
+        gate.touch()
+
+    runner = _runner(gke, ttl_seconds_after_finished=1, pending_timeout_seconds=PENDING_TIMEOUT)
+
+    @flow(task_runner=runner)
+    def one_then_another() -> tuple[int, int]:
+        first = cube.submit(2).result()
+        _wait_for_file(str(gate))
+        return first, cube.submit(3).result()
+
+    with alongside(collect_between_tasks):
+        results = one_then_another()
+
+    assert results == (8, 27)
+    assert len(cluster.created("secrets")) == 2
+
+
 def test_cancelling_the_flow_run_deletes_its_jobs(gke, cluster, workdir):
     from prefect._internal import control_listener
 

@@ -1,8 +1,9 @@
 """A Kubernetes cluster for tests: the emulated API and the test kubelet, run in the background.
 
 `running_cluster()` serves `ClusterEmulator` (tests/support/kube_emulator.py) on a
-local port with a `Kubelet` (tests/support/kubelet.py) working on it, both on an
-event loop in a background thread, and writes a kubeconfig that points at them.
+local port with a `Kubelet` (tests/support/kubelet.py) and a `GarbageCollector`
+(tests/support/garbage_collector.py) working on it, all on an event loop in a
+background thread, and writes a kubeconfig that points at them.
 `KubeCluster` is the tests' synchronous handle on both.
 """
 
@@ -18,11 +19,12 @@ from typing import Any
 
 import kmock
 
+from tests.support.garbage_collector import GARBAGE_COLLECTOR_AGENT, GarbageCollector
 from tests.support.kube_emulator import JOBS, PODS, ClusterEmulator
 from tests.support.kubelet import KUBELET_AGENT, Kubelet
 
 # The cluster's own controllers: their requests are not a client's.
-_CONTROLLER_AGENTS = {KUBELET_AGENT}
+_CONTROLLER_AGENTS = {KUBELET_AGENT, GARBAGE_COLLECTOR_AGENT}
 
 # Longer than aiohttp needs to close finished handlers, on a loaded machine.
 SERVER_STOP_SECONDS = 15.0
@@ -36,6 +38,7 @@ class KubeCluster:
         self.workspace = workspace
         self.emulator = ClusterEmulator()
         self.kubelet = Kubelet(self.emulator, workspace / "kubelet")
+        self.garbage_collector = GarbageCollector(self.emulator)
         self.url = ""
         self.kubeconfig = workspace / "kubeconfig.json"
         self._server: kmock.Server | None = None
@@ -60,6 +63,7 @@ class KubeCluster:
         self.url = str(self._server.url).rstrip("/")
         loop = asyncio.get_running_loop()
         self._kubelet_task = loop.create_task(self.kubelet.run(self.url))
+        self._collector_task = loop.create_task(self.garbage_collector.run(self.url))
 
     async def _stop(self) -> None:
         controllers = [t for t in (self._kubelet_task, self._collector_task) if t is not None]
@@ -175,6 +179,6 @@ def running_cluster(workspace: Path) -> Iterator[KubeCluster]:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
         loop.close()
-    errors = cluster.kubelet.errors
+    errors = cluster.kubelet.errors + cluster.garbage_collector.errors
     if errors:
         raise errors[0]

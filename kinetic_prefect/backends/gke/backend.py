@@ -23,6 +23,7 @@ import copy
 import datetime
 import secrets as token_source
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -62,6 +63,10 @@ logger = get_logger("kinetic_prefect.backends.gke.backend")
 
 # Which backend instance (runner) owns a Job: its watch selects on this label only.
 LABEL_RUNNER = "kinetic-prefect.io/runner"
+
+
+# A finished Job is trusted to exist (and to keep its Secret) for this share of its TTL.
+TTL_TRUST = 0.5
 
 
 def _labels(obj: Any) -> dict[str, str]:
@@ -109,7 +114,7 @@ class KubernetesBackend(JobEnding):
         self._jobs: dict[str, TrackedJob] = {}
         self._queued: collections.deque[TrackedJob] = collections.deque()
         self._active = 0
-        self._secrets = JobSecrets()
+        self._secrets = JobSecrets(self._job_may_exist)
         self._connect_lock: asyncio.Lock | None = None
         self._outcomes = OutcomeTracker(
             self._jobs,
@@ -158,6 +163,7 @@ class KubernetesBackend(JobEnding):
         self._write_handle(job_id, namespace, access, created=None)
         job = TrackedJob(job_id, namespace, manifest, on_exit, on_pending)
         job.hosts, job.extra_objects = hosts_of(manifest), companions
+        job.secret_names = tuple(secrets)
         try:
             self._runtime.call(self._launch(job, secrets))
         except BaseException as exc:
@@ -294,6 +300,7 @@ class KubernetesBackend(JobEnding):
                 ) from exc
         self._watch.note_created(job)
         self._outcomes.start_clock(job)
+        self._secrets.add_owner(self._core, job.namespace, job.secret_names, created)
         if job.extra_objects:
             await self._create_services(job, created)
 
@@ -307,6 +314,18 @@ class KubernetesBackend(JobEnding):
                 f"could not create the slice's headless Service: {api_error_message(exc)} "
                 "(the runner's service account needs create/delete on services)",
             )
+
+    def _job_may_exist(self, namespace: str, job_id: str) -> bool:
+        """Whether the Job may still exist: not deleted, not past its TTL (with a margin)."""
+        job = self._jobs.get(job_id)
+        if job is None or job.namespace != namespace:
+            return False
+        if job.job_gone or job.cancelled or job.failing_to_start:
+            return False
+        if job.ended_at is None:
+            return True
+        ttl = (job.manifest.get("spec") or {}).get("ttlSecondsAfterFinished")
+        return ttl is None or time.monotonic() - job.ended_at < ttl * TTL_TRUST
 
     async def _existing_job(self, job: TrackedJob) -> dict[str, Any] | None:
         """The Job under this job's name if it is this job's; None if there is none."""
