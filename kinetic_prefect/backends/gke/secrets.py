@@ -14,7 +14,7 @@ process added stay) carries every Job created while the previous patch was on it
 a sweep costs far fewer patches than Jobs and a one-at-a-time flow one patch per Job.
 
 Until its first owner is added a Secret belongs to no Job: a flow process killed in
-between leaves it behind. Once every Job
+between leaves it to `kinetic-prefect jobs cleanup` (`orphaned_secrets`). Once every Job
 that owned it may be gone (deleted, or past its TTL), the garbage collector may have
 deleted it while the flow process goes on: the next launch creates it again before its
 Job, and a patch that finds it gone creates it with its owners.
@@ -23,23 +23,32 @@ Job, and a patch that finds it gone creates it with its owners.
 from __future__ import annotations
 
 import asyncio
+import datetime
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 from prefect.logging import get_logger
 
 from kinetic_prefect.backends.base import Secrets
 from kinetic_prefect.backends.gke.client import (
+    MANAGED_SELECTOR,
+    ClusterAccess,
     add_secret_owners,
     api_error_message,
     delete_secret,
     owner_reference,
     put_secret,
+    read_json,
 )
 
 logger = get_logger("kinetic_prefect.backends.gke.secrets")
+
+# A flow process creates its Secret just before its first Job and makes that Job its
+# owner right after: cleanup leaves an unowned Secret younger than this alone.
+ORPHAN_GRACE_SECONDS = 600
 
 # (namespace, Job name) -> whether that Job may still exist, as the backend knows it.
 MayExist = Callable[[str, str], bool]
@@ -148,3 +157,53 @@ class JobSecrets:
                 if self._may_exist(secret.namespace, job) or ref in batch
             ]
             await put_secret(core, secret.namespace, secret.name, secret.values, owners)
+
+
+# -- cleanup -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SecretSummary:
+    """One Secret kinetic-prefect created, as `jobs cleanup` sees it."""
+
+    name: str
+    owner_uids: frozenset[str]
+    created: str
+
+
+async def list_kinetic_secrets(access: ClusterAccess, namespace: str) -> list[SecretSummary]:
+    """Every Secret kinetic-prefect created in `namespace` (needs list on secrets)."""
+    listing = await read_json(
+        await client.CoreV1Api(access.client).list_namespaced_secret(
+            namespace, label_selector=MANAGED_SELECTOR, _preload_content=False
+        )
+    )
+    found = []
+    for item in listing.get("items") or []:
+        meta = item.get("metadata") or {}
+        owners = frozenset(o.get("uid", "") for o in meta.get("ownerReferences") or [])
+        found.append(SecretSummary(meta["name"], owners, meta.get("creationTimestamp") or ""))
+    return sorted(found, key=lambda s: (s.created, s.name))
+
+
+def orphaned_secrets(
+    secrets: Sequence[SecretSummary],
+    live_job_uids: set[str],
+    named_by_live_jobs: set[str],
+    created_before: datetime.datetime,
+) -> list[str]:
+    """The Secrets no live Job owns or names, created before `created_before`.
+
+    A younger Secret may be one a flow process has just created for the Job it is
+    creating (its owner is added after the Job): `created_before` leaves it be.
+    """
+    orphans = []
+    for secret in secrets:
+        if secret.owner_uids & live_job_uids or secret.name in named_by_live_jobs:
+            continue
+        if not secret.created:
+            continue
+        created = datetime.datetime.fromisoformat(secret.created.replace("Z", "+00:00"))
+        if created <= created_before:
+            orphans.append(secret.name)
+    return orphans
