@@ -10,8 +10,9 @@ Jobs (after `ttlSecondsAfterFinished`, a cancel, `kinetic-prefect jobs cleanup`)
 the flow process was SIGKILLed. The backend deletes it itself when it closes.
 
 Owners are added in bulk: one strategic-merge patch (merged by uid, so owners another
-process added stay) carries every Job created while the previous patch was on its way, so
-a sweep costs far fewer patches than Jobs and a one-at-a-time flow one patch per Job.
+process added stay) carries every Job created within `OWNER_BATCH_SECONDS` of the first
+one waiting (or while the previous patch was on its way), so a sweep costs far fewer
+patches than Jobs and a one-at-a-time flow one patch per Job.
 
 Until its first owner is added a Secret belongs to no Job: a flow process killed in
 between leaves it to `kinetic-prefect jobs cleanup` (`orphaned_secrets`). Once every Job
@@ -49,6 +50,10 @@ logger = get_logger("kinetic_prefect.backends.gke.secrets")
 # A flow process creates its Secret just before its first Job and makes that Job its
 # owner right after: cleanup leaves an unowned Secret younger than this alone.
 ORPHAN_GRACE_SECONDS = 600
+
+# How long a Job created waits for others to share its owner patch: a map's Jobs are
+# created one after another, each create one round trip.
+OWNER_BATCH_SECONDS = 1.0
 
 # (namespace, Job name) -> whether that Job may still exist, as the backend knows it.
 MayExist = Callable[[str, str], bool]
@@ -130,6 +135,7 @@ class JobSecrets:
     async def _flush(self, core: Any, secret: _SharedSecret) -> None:
         """Patch in the owners waiting, then those that arrived meanwhile, until none wait."""
         while secret.waiting and not self._closing:
+            await asyncio.sleep(OWNER_BATCH_SECONDS)
             batch, secret.waiting = secret.waiting, []
             try:
                 await self._add_owners(core, secret, batch)
