@@ -324,42 +324,69 @@ def jobs_cleanup(
     cluster: ClusterOption = None,
     namespace: NamespaceOption = None,
 ) -> None:
-    """Delete finished Jobs and their `kinetic/{job}/` artifacts; outputs and code-cache are kept.
+    """Delete finished Jobs and their `kinetic/{job}/` artifacts, and Secrets no Job owns.
 
-    Kubernetes already removes finished Jobs after `ttl_seconds_after_finished`;
-    this is for clusters without the TTL controller, or to clean up sooner.
+    Outputs and code-cache are kept. Kubernetes already removes finished Jobs after
+    `ttl_seconds_after_finished`, and with them the Secret their flow process gave
+    their pods (the Jobs own it); this is for clusters without the TTL controller, to
+    clean up sooner, and for the Secrets of flow processes killed before their first
+    Job owned them (kinetic-prefect's Secrets that no remaining Job owns or names and
+    that are older than ten minutes).
 
     Example: kinetic-prefect jobs cleanup --older-than 24
     """
     import datetime
 
-    from kinetic_prefect.backends.gke.client import delete_job
+    from kubernetes_asyncio import client
+
+    from kinetic_prefect.backends.gke.client import delete_job, delete_secret
     from kinetic_prefect.backends.gke.jobs import list_kinetic_jobs
+    from kinetic_prefect.backends.gke.secrets import (
+        ORPHAN_GRACE_SECONDS,
+        list_kinetic_secrets,
+        orphaned_secrets,
+    )
     from kinetic_prefect.cli.jobs_store import cleanup_jobs
 
     block, settings = _gke_target("cleanup", cluster, namespace)
-    cutoff = datetime.datetime.now(datetime.UTC) - datetime.timedelta(hours=older_than)
+    now = datetime.datetime.now(datetime.UTC)
+    cutoff = now - datetime.timedelta(hours=older_than)
 
     def due(finished_at: str | None) -> bool:
         if not finished_at:
             return older_than <= 0
         return datetime.datetime.fromisoformat(finished_at.replace("Z", "+00:00")) <= cutoff
 
-    async def cleanup(access: Any) -> list[str]:
+    async def cleanup(access: Any) -> tuple[list[str], list[str]]:
         found = await list_kinetic_jobs(access, settings.namespace)
         chosen = [j.name for j in found if j.finished and due(j.finished_at)]
+        remaining = [j for j in found if j.name not in chosen]
+        orphans = orphaned_secrets(
+            await list_kinetic_secrets(access, settings.namespace),
+            {j.uid for j in remaining},
+            {name for j in remaining for name in j.secrets},
+            now - datetime.timedelta(seconds=ORPHAN_GRACE_SECONDS),
+        )
         if not dry_run:
+            core = client.CoreV1Api(access.client)
             for name in chosen:
                 await delete_job(access, settings.namespace, name)
-        return chosen
+            for name in orphans:
+                await delete_secret(core, settings.namespace, name)
+        return chosen, orphans
 
-    chosen = _run(_with_access(block, settings, cleanup))
+    chosen, orphans = _run(_with_access(block, settings, cleanup))
     jobs_root = settings.jobs_root
     removed = 0 if dry_run or not jobs_root or not chosen else cleanup_jobs(jobs_root, chosen)
     verb = "would delete" if dry_run else "deleted"
     for name in chosen:
         typer.echo(f"{verb} {name}")
-    typer.echo(f"{len(chosen)} Job(s) {verb}; {removed} artifact file(s) removed.")
+    for name in orphans:
+        typer.echo(f"{verb} Secret {name}")
+    typer.echo(
+        f"{len(chosen)} Job(s) {verb}; {removed} artifact file(s) removed; "
+        f"{len(orphans)} Secret(s) no Job owns {verb}."
+    )
 
 
 # -- doctor ------------------------------------------------------------------------------------

@@ -25,8 +25,11 @@ from kinetic_prefect.cli import app
 from kinetic_prefect.launch.accelerators import parse_accelerator
 from kinetic_prefect.launch.manifest import (
     LABEL_JOB_ID,
+    LABEL_MANAGED_BY,
     LABEL_TASK_RUN_ID,
+    MANAGED_BY,
     LaunchSpec,
+    SecretRef,
     build_job_manifest,
 )
 from kinetic_prefect.launch.slices import build_workload, host_index
@@ -204,6 +207,45 @@ def test_jobs_cleanup_removes_finished_jobs_and_their_artifacts_but_not_running_
         "only the running Job to remain",
     )
     assert sorted(p.name for p in (workdir / "jobs" / "kinetic").iterdir()) == ["kp-busy-0006"]
+
+
+def _secret(name: str, ours: bool = True, owner: str = "", created: str = "") -> dict[str, Any]:
+    """A Secret as a runner creates one (`ours`), owned by the Job with uid `owner`."""
+    meta: dict[str, Any] = {"name": name, "labels": {LABEL_MANAGED_BY: MANAGED_BY} if ours else {}}
+    if owner:
+        meta["ownerReferences"] = [
+            {"apiVersion": "batch/v1", "kind": "Job", "name": "kp-busy-0007", "uid": owner}
+        ]
+    if created:
+        meta["creationTimestamp"] = created
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": meta, "data": {"k": "dg=="}}
+
+
+def test_jobs_cleanup_removes_our_secrets_that_no_remaining_job_owns_or_names(cluster):
+    spec = replace(_spec("kp-busy-0007"), secret_env=(SecretRef("TOKEN", "named-by-job", "t"),))
+    cluster.kubelet.faults_by_job["kp-busy-0007"] = "hang"
+    cluster.create("/apis/batch/v1/namespaces/default/jobs", build_job_manifest(spec))
+    (job,) = cluster.jobs()
+    an_hour_ago = "2020-01-01T00:00:00Z"
+    for secret in (
+        _secret("orphaned", created=an_hour_ago),
+        _secret("owned-by-job", owner=job["metadata"]["uid"], created=an_hour_ago),
+        _secret("named-by-job", created=an_hour_ago),
+        _secret("just-created"),
+        _secret("someone-elses", ours=False, created=an_hour_ago),
+    ):
+        cluster.create("/api/v1/namespaces/default/secrets", secret)
+
+    result = cli.invoke(app, ["jobs", "cleanup"])
+
+    assert result.exit_code == 0, result.output
+    assert "deleted Secret orphaned" in result.output
+    assert sorted(s["metadata"]["name"] for s in cluster.secrets()) == [
+        "just-created",
+        "named-by-job",
+        "owned-by-job",
+        "someone-elses",
+    ]
 
 
 @pytest.mark.parametrize("command", [["ls"], ["cancel", "kp-train-0005"], ["cleanup"]])

@@ -166,7 +166,84 @@ def test_job_created_despite_an_error_response_is_watched_not_abandoned(gke, clu
         return cube.submit(2).result()
 
     assert run() == 8
-    assert len(cluster.created_jobs()) == 1
+    # Its retry found the Job the lost answer had created: one Job, under one name.
+    assert len({j["metadata"]["name"] for j in cluster.created_jobs()}) == 1
+
+
+def _job_posts(cluster: KubeCluster) -> list[object]:
+    return [
+        r
+        for r in cluster.client_requests()
+        if r.method.value == "POST" and r.resource is not None and r.resource.plural == "jobs"
+    ]
+
+
+def _flow_of_one_cube(runner: KineticTaskRunner) -> tuple[int, str]:
+    @flow(task_runner=runner)
+    def run() -> tuple[int, str]:
+        future = cube.submit(2)
+        return future.result(), future.job_id
+
+    return run()
+
+
+def test_a_job_create_answered_503_once_still_runs_its_task(gke, cluster):
+    cluster.fail_next("post", "jobs", 503, "ServiceUnavailable", "etcdserver: leader changed")
+
+    result, job_id = _flow_of_one_cube(_runner(gke))
+
+    assert result == 8
+    assert [j["metadata"]["name"] for j in cluster.jobs()] == [job_id]
+    assert len(_job_posts(cluster)) == 2
+
+
+def test_a_job_create_answered_429_waits_its_retry_after_and_runs_its_task(gke, cluster):
+    cluster.fail_next(
+        "post",
+        "jobs",
+        429,
+        "TooManyRequests",
+        "Too many requests, please try again later.",
+        retry_after=2,
+    )
+
+    result, job_id = _flow_of_one_cube(_runner(gke))
+
+    first, second = _job_posts(cluster)
+    arrived = cluster.call(lambda: dict(cluster.emulator.arrived_at))
+    assert result == 8
+    assert [j["metadata"]["name"] for j in cluster.jobs()] == [job_id]
+    assert arrived[second.id] - arrived[first.id] >= 2
+
+
+@pytest.mark.parametrize(
+    ("code", "reason", "message", "says"),
+    [
+        (
+            422,
+            "Invalid",
+            'Job.batch "kp-x" is invalid: spec.template.spec.containers[0].image: Required value',
+            "422 Invalid: Job.batch",
+        ),
+        (
+            403,
+            "Forbidden",
+            'jobs.batch is forbidden: User "ci" cannot create resource "jobs"',
+            "apply deployments/k8s/rbac.yaml",
+        ),
+    ],
+)
+def test_a_job_create_refused_for_good_is_not_retried_and_fails_saying_why(
+    gke, cluster, code, reason, message, says
+):
+    cluster.fail_next("post", "jobs", code, reason, message)
+
+    state, failure, _ = _failed_run(_runner(gke))
+
+    assert state == "FAILED"
+    assert says in failure and message in failure
+    assert len(_job_posts(cluster)) == 1
+    assert cluster.jobs() == []
 
 
 # -- watching --------------------------------------------------------------------------------
@@ -379,6 +456,61 @@ def test_api_key_reaches_pods_only_through_the_kubernetes_secret(gke, cluster, g
     bucket = gcs.client.bucket(gcs.name)
     leaks = [n for n in gcs.names() if TEST_API_KEY.encode() in bucket.blob(n).download_as_bytes()]
     assert leaks == []
+
+
+def _last_state_of_secret(cluster: KubeCluster, name: str) -> dict[str, object]:
+    events = cluster.call(lambda: list(cluster.emulator.events))
+    states = [e["object"] for _, r, e in events if r.plural == "secrets"]
+    return [obj for obj in states if obj["metadata"]["name"] == name][-1]
+
+
+def test_the_runners_secret_is_owned_by_every_job_that_reads_it(gke, cluster):
+    cluster.kubelet.run_containers = False
+
+    @flow(task_runner=_runner(gke))
+    def fan_out() -> None:
+        wait(trivial.map(range(4)))
+
+    fan_out()
+
+    (secret,) = {s["metadata"]["name"] for s in cluster.created("secrets")}
+    owners = _last_state_of_secret(cluster, secret)["metadata"]["ownerReferences"]
+    jobs = cluster.jobs()
+    assert {o["uid"] for o in owners} == {j["metadata"]["uid"] for j in jobs}
+    assert {(o["apiVersion"], o["kind"]) for o in owners} == {("batch/v1", "Job")}
+    assert not any(o["controller"] or o["blockOwnerDeletion"] for o in owners)
+    assert cluster.secret("default", secret) is None  # deleted when the runner closed
+
+
+def _wait_for_file(path: str) -> None:
+    wait_until(lambda: Path(path).exists(), 120, f"{path} to exist")
+
+
+def test_a_secret_collected_with_its_last_job_is_created_again_for_the_next_one(
+    gke, cluster, workdir
+):
+    gate = workdir / "gate"
+
+    def collect_between_tasks() -> None:
+        wait_until(lambda: cluster.created_jobs(), 60, "the first Job")
+        wait_until(
+            lambda: not cluster.jobs() and not cluster.secrets(), 60, "Job and Secret collected"
+        )
+        gate.touch()
+
+    runner = _runner(gke, ttl_seconds_after_finished=1, pending_timeout_seconds=PENDING_TIMEOUT)
+
+    @flow(task_runner=runner)
+    def one_then_another() -> tuple[int, int]:
+        first = cube.submit(2).result()
+        _wait_for_file(str(gate))
+        return first, cube.submit(3).result()
+
+    with alongside(collect_between_tasks):
+        results = one_then_another()
+
+    assert results == (8, 27)
+    assert len(cluster.created("secrets")) == 2
 
 
 def test_cancelling_the_flow_run_deletes_its_jobs(gke, cluster, workdir):

@@ -205,6 +205,21 @@ def test_a_killed_flow_processs_job_is_gone_in_time_and_a_rerun_resumes_after_it
     assert _most_pods_at_once(cluster, flow_run_id) == 1
 
 
+def test_a_flow_process_sigkilled_mid_run_leaves_no_secret_once_its_jobs_are_gone(
+    gke: str, cluster: KubeCluster, gcs: GcsTestBucket
+):
+    first, _ = _started_training(_gcs_checkpoints(gcs), cluster=gke, **KILLED)
+    (job,) = cluster.jobs()
+    (secret,) = cluster.secrets()
+    owners = secret["metadata"].get("ownerReferences") or []
+    assert [o["uid"] for o in owners] == [job["metadata"]["uid"]]
+
+    _kill(first)
+    wait_until(lambda: not cluster.jobs(), 90, "the orphaned Job to be deleted")
+
+    wait_until(lambda: not cluster.secrets(), 30, "the Secret to be collected with its Job")
+
+
 def test_a_restarted_flow_process_reattaches_to_its_running_job(
     gke: str, cluster: KubeCluster, gcs: GcsTestBucket
 ):

@@ -206,7 +206,12 @@ def test_two_runners_with_different_api_keys_in_one_namespace_each_give_pods_the
 
     assert results == {key: _sha(key) for key in keys}
     secret_requests = [r for r in cluster.client_requests() if r.resource.plural == "secrets"]
-    assert sorted({r.method for r in secret_requests}) == ["DELETE", "POST"]
+    # Never read; patched only to add the Jobs that own it.
+    assert sorted({r.method for r in secret_requests}) == ["DELETE", "PATCH", "POST"]
+    patches = [json.loads(r.body) for r in secret_requests if r.method == "PATCH"]
+    assert all(
+        list(p) == ["metadata"] and list(p["metadata"]) == ["ownerReferences"] for p in patches
+    )
     created = {
         json.loads(r.body)["metadata"]["name"] for r in secret_requests if r.method == "POST"
     }

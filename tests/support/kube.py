@@ -1,8 +1,9 @@
 """A Kubernetes cluster for tests: the emulated API and the test kubelet, run in the background.
 
 `running_cluster()` serves `ClusterEmulator` (tests/support/kube_emulator.py) on a
-local port with a `Kubelet` (tests/support/kubelet.py) working on it, both on an
-event loop in a background thread, and writes a kubeconfig that points at them.
+local port with a `Kubelet` (tests/support/kubelet.py) and a `GarbageCollector`
+(tests/support/garbage_collector.py) working on it, all on an event loop in a
+background thread, and writes a kubeconfig that points at them.
 `KubeCluster` is the tests' synchronous handle on both.
 """
 
@@ -18,8 +19,12 @@ from typing import Any
 
 import kmock
 
+from tests.support.garbage_collector import GARBAGE_COLLECTOR_AGENT, GarbageCollector
 from tests.support.kube_emulator import JOBS, PODS, ClusterEmulator
 from tests.support.kubelet import KUBELET_AGENT, Kubelet
+
+# The cluster's own controllers: their requests are not a client's.
+_CONTROLLER_AGENTS = {KUBELET_AGENT, GARBAGE_COLLECTOR_AGENT}
 
 # Longer than aiohttp needs to close finished handlers, on a loaded machine.
 SERVER_STOP_SECONDS = 15.0
@@ -33,10 +38,12 @@ class KubeCluster:
         self.workspace = workspace
         self.emulator = ClusterEmulator()
         self.kubelet = Kubelet(self.emulator, workspace / "kubelet")
+        self.garbage_collector = GarbageCollector(self.emulator)
         self.url = ""
         self.kubeconfig = workspace / "kubeconfig.json"
         self._server: kmock.Server | None = None
         self._kubelet_task: asyncio.Task[Any] | None = None
+        self._collector_task: asyncio.Task[Any] | None = None
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the emulator's loop (a consistent view of its objects)."""
@@ -54,12 +61,15 @@ class KubeCluster:
         self._server = kmock.Server(self.emulator)
         await self._server.__aenter__()
         self.url = str(self._server.url).rstrip("/")
-        self._kubelet_task = asyncio.get_running_loop().create_task(self.kubelet.run(self.url))
+        loop = asyncio.get_running_loop()
+        self._kubelet_task = loop.create_task(self.kubelet.run(self.url))
+        self._collector_task = loop.create_task(self.garbage_collector.run(self.url))
 
     async def _stop(self) -> None:
-        if self._kubelet_task is not None:
-            self._kubelet_task.cancel()
-            await asyncio.gather(self._kubelet_task, return_exceptions=True)
+        controllers = [t for t in (self._kubelet_task, self._collector_task) if t is not None]
+        for task in controllers:
+            task.cancel()
+        await asyncio.gather(*controllers, return_exceptions=True)
         assert self._server is not None
         # Open watch streams (of a runner killed mid-test, say) would hold the server's
         # graceful shutdown for its full minute: end them first.
@@ -105,6 +115,15 @@ class KubeCluster:
     def secret(self, namespace: str, name: str) -> dict[str, Any] | None:
         return self.call(lambda: self.emulator.find("secrets", namespace, name))
 
+    def secrets(self, namespace: str | None = None) -> list[dict[str, Any]]:
+        return self.call(lambda: self.emulator.live("secrets", namespace))
+
+    def fail_next(
+        self, method: str, plural: str, code: int, reason: str, message: str, **kw: Any
+    ) -> None:
+        """Answer the next such request with an error (`ClusterEmulator.fail_next`)."""
+        self.call(lambda: self.emulator.fail_next(method, plural, code, reason, message, **kw))
+
     def created_jobs(self) -> list[dict[str, Any]]:
         """Every Job body the API accepted a POST for, exactly as sent."""
         return [body for _, body in self.job_creations()]
@@ -118,11 +137,11 @@ class KubeCluster:
         ]
 
     def client_requests(self) -> list[kmock.Request]:
-        """Requests from anything but the test kubelet (the runner, the CLI)."""
+        """Requests from anything but the cluster's controllers (the runner, the CLI)."""
         return [
             r
             for r in self.call(lambda: list(self.emulator.requests))
-            if r.headers.get("User-Agent") != KUBELET_AGENT
+            if r.headers.get("User-Agent") not in _CONTROLLER_AGENTS
         ]
 
     def create(self, path: str, body: dict[str, Any]) -> Any:
@@ -160,5 +179,6 @@ def running_cluster(workspace: Path) -> Iterator[KubeCluster]:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
         loop.close()
-    if cluster.kubelet.errors:
-        raise cluster.kubelet.errors[0]
+    errors = cluster.kubelet.errors + cluster.garbage_collector.errors
+    if errors:
+        raise errors[0]

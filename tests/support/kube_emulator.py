@@ -3,7 +3,10 @@
 `ClusterEmulator` is `kmock.KubernetesEmulator` plus, through kmock's own handler
 API: resourceVersions, label and field selectors, watches that resume from a
 resourceVersion (410 Gone once compacted) or end on a server-side timeout or a
-cut, Foreground deletion (a finalizer the kubelet releases), and pod logs.
+cut, Foreground deletion (a finalizer the kubelet releases), strategic-merge
+patches of `metadata.ownerReferences` (merged by uid), pod logs, and injected API
+errors (`fail_next`): a request answered with an error Status, as the API server
+writes one, before anything is stored.
 """
 
 from __future__ import annotations
@@ -11,11 +14,14 @@ from __future__ import annotations
 import asyncio
 import copy
 import re
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp.web
 import attrs
 import kmock
 from kmock._internal import aiobus
@@ -60,6 +66,58 @@ def _fields_match(selector: str, obj: dict[str, Any]) -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class ApiFault:
+    """An error the API server answers one request with (see `ClusterEmulator.fail_next`)."""
+
+    method: str
+    plural: str
+    code: int
+    reason: str
+    message: str
+    retry_after: int | None = None
+    details: dict[str, Any] | None = None
+
+    def matches(self, request: kmock.Request) -> bool:
+        resource = request.resource
+        return (
+            resource is not None
+            and request.method.value.upper() == self.method.upper()
+            and resource.plural == self.plural
+        )
+
+    def response(self) -> aiohttp.web.Response:
+        """A `Status` object with the fault's code, as kube-apiserver writes errors."""
+        details = dict(self.details or {})
+        headers = {}
+        if self.retry_after is not None:
+            details["retryAfterSeconds"] = self.retry_after
+            headers["Retry-After"] = str(self.retry_after)
+        status = {
+            "kind": "Status",
+            "apiVersion": "v1",
+            "metadata": {},
+            "status": "Failure",
+            "message": self.message,
+            "reason": self.reason,
+            "code": self.code,
+        }
+        if details:
+            status["details"] = details
+        return aiohttp.web.json_response(status, status=self.code, headers=headers)
+
+
+def _merge_owner_references(patch: dict[str, Any], stored: dict[str, Any]) -> None:
+    """Strategic merge of `metadata.ownerReferences`: by uid, keeping the stored ones."""
+    new = (patch.get("metadata") or {}).get("ownerReferences")
+    if not isinstance(new, list):
+        return
+    kept = (stored.get("metadata") or {}).get("ownerReferences") or []
+    merged = {ref["uid"]: ref for ref in kept}
+    merged.update((ref["uid"], ref) for ref in new)
+    patch["metadata"]["ownerReferences"] = list(merged.values())
+
+
 class _Buses(dict):  # type: ignore[type-arg]
     """kmock's per-resource event buses, each stamping and recording what it carries."""
 
@@ -96,6 +154,9 @@ class ClusterEmulator(kmock.KubernetesEmulator):
     _changed: asyncio.Condition = attrs.field(factory=asyncio.Condition, init=False)
     _cuts: int = attrs.field(default=0, init=False)
     _released: asyncio.Event = attrs.field(factory=asyncio.Event, init=False)
+    faults: list[ApiFault] = attrs.field(factory=list, init=False)
+    # time.monotonic() at which each request arrived, by request id.
+    arrived_at: dict[int, float] = attrs.field(factory=dict, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -118,9 +179,48 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         """Every request the emulator has had, oldest first."""
         return list(self._requests)
 
+    # -- injected errors ----------------------------------------------------------------
+
+    def fail_next(
+        self,
+        method: str,
+        plural: str,
+        code: int,
+        reason: str,
+        message: str,
+        retry_after: int | None = None,
+        details: dict[str, Any] | None = None,
+    ) -> None:
+        """Answer the next `method` request on `plural` with an error, storing nothing.
+
+        Faults queue up: each answers one request, in the order they were added.
+        `retry_after` sets the Retry-After header and the Status' `retryAfterSeconds`,
+        as the API server's priority and fairness does with a 429.
+        """
+        self.faults.append(ApiFault(method, plural, code, reason, message, retry_after, details))
+
+    def _take_fault(self, request: kmock.Request) -> ApiFault | None:
+        for index, fault in enumerate(self.faults):
+            if fault.matches(request):
+                return self.faults.pop(index)
+        return None
+
     # -- state changes --------------------------------------------------------------
 
     async def _handle(self, request: kmock.Request) -> Any:
+        self.arrived_at[request.id] = time.monotonic()
+        fault = self._take_fault(request)
+        if fault is not None:
+            return fault.response()
+        if (
+            request.resource is not None
+            and request.action == kmock.action.UPDATE
+            and "strategic-merge-patch" in request.headers.get("Content-Type", "")
+            and isinstance(request.data, dict)
+        ):
+            key = (request.resource, request.namespace, request.name)
+            if key in self.objects and not self.objects[key].deleted:
+                _merge_owner_references(request.data, self.objects[key].raw)
         if request.resource is not None and request.action == kmock.action.CREATE:
             meta = request.data.setdefault("metadata", {})
             if request.namespace:

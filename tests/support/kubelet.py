@@ -18,7 +18,7 @@ every cluster of the run, as a long-lived node's would.
 
 A container's environment is what its image sets plus its manifest's env, never
 the environment of whoever created the Job. So a pod run here starts from
-`image_env()`, what a python image sets: `PATH` (this interpreter's directory
+`image_env()`, what a python image sets: `PATH` (the bare interpreter's directory
 first, standing in for the image's `/usr/local/bin`, then the system
 directories), `HOME` (a directory of the kubelet's own, as a fresh container
 filesystem has) and `LANG=C.UTF-8`; then its manifest's env; then `KUBECONFIG`,

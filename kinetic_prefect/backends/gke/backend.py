@@ -23,6 +23,7 @@ import copy
 import datetime
 import secrets as token_source
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,6 +36,7 @@ from kinetic_prefect.backends.gke.client import (
     MANAGED_SELECTOR,
     api_error_message,
     connect,
+    create_idempotently,
     pods_of_job,
     read_json,
 )
@@ -61,6 +63,14 @@ logger = get_logger("kinetic_prefect.backends.gke.backend")
 
 # Which backend instance (runner) owns a Job: its watch selects on this label only.
 LABEL_RUNNER = "kinetic-prefect.io/runner"
+
+
+# A finished Job is trusted to exist (and to keep its Secret) for this share of its TTL.
+TTL_TRUST = 0.5
+
+
+def _labels(obj: Any) -> dict[str, str]:
+    return dict(((obj or {}).get("metadata") or {}).get("labels") or {})
 
 
 class KubernetesBackend(JobEnding):
@@ -104,7 +114,7 @@ class KubernetesBackend(JobEnding):
         self._jobs: dict[str, TrackedJob] = {}
         self._queued: collections.deque[TrackedJob] = collections.deque()
         self._active = 0
-        self._secrets = JobSecrets()
+        self._secrets = JobSecrets(self._job_may_exist)
         self._connect_lock: asyncio.Lock | None = None
         self._outcomes = OutcomeTracker(
             self._jobs,
@@ -153,6 +163,7 @@ class KubernetesBackend(JobEnding):
         self._write_handle(job_id, namespace, access, created=None)
         job = TrackedJob(job_id, namespace, manifest, on_exit, on_pending)
         job.hosts, job.extra_objects = hosts_of(manifest), companions
+        job.secret_names = tuple(secrets)
         try:
             self._runtime.call(self._launch(job, secrets))
         except BaseException as exc:
@@ -266,16 +277,22 @@ class KubernetesBackend(JobEnding):
     async def _create(self, job: TrackedJob) -> None:
         self._active += 1
         job.counted = True
-        created: dict[str, Any] | None = None
+        created: dict[str, Any] | None
         try:
-            created = await read_json(
-                await self._batch.create_namespaced_job(
+            created = await create_idempotently(
+                lambda: self._batch.create_namespaced_job(
                     job.namespace, body=job.manifest, _preload_content=False
-                )
+                ),
+                lambda: self._batch.read_namespaced_job(
+                    job.job_id, job.namespace, _preload_content=False
+                ),
+                lambda found: _labels(found).get(LABEL_JOB_ID) == job.job_id,
+                f"Job {job.namespace}/{job.job_id}",
             )
         except Exception as exc:
-            # A lost response or a retried request may still have created the Job.
-            if not await self._job_exists(job):
+            # The last attempt's answer may have been lost after the Job was stored.
+            created = await self._existing_job(job)
+            if created is None:
                 self._active -= 1
                 job.counted = False
                 raise RuntimeError(
@@ -283,18 +300,13 @@ class KubernetesBackend(JobEnding):
                 ) from exc
         self._watch.note_created(job)
         self._outcomes.start_clock(job)
+        self._secrets.add_owner(self._core, job.namespace, job.secret_names, created)
         if job.extra_objects:
             await self._create_services(job, created)
 
-    async def _create_services(self, job: TrackedJob, created: dict[str, Any] | None) -> None:
+    async def _create_services(self, job: TrackedJob, created: dict[str, Any]) -> None:
         """A slice's headless Service, owned by its Job; without it the hosts cannot meet."""
         try:
-            if created is None:
-                created = await read_json(
-                    await self._batch.read_namespaced_job(
-                        job.job_id, job.namespace, _preload_content=False
-                    )
-                )
             await create_services(self._core, job.namespace, job.extra_objects, created)
         except Exception as exc:
             self._start_failing(
@@ -303,7 +315,20 @@ class KubernetesBackend(JobEnding):
                 "(the runner's service account needs create/delete on services)",
             )
 
-    async def _job_exists(self, job: TrackedJob) -> bool:
+    def _job_may_exist(self, namespace: str, job_id: str) -> bool:
+        """Whether the Job may still exist: not deleted, not past its TTL (with a margin)."""
+        job = self._jobs.get(job_id)
+        if job is None or job.namespace != namespace:
+            return False
+        if job.job_gone or job.cancelled or job.failing_to_start:
+            return False
+        if job.ended_at is None:
+            return True
+        ttl = (job.manifest.get("spec") or {}).get("ttlSecondsAfterFinished")
+        return ttl is None or time.monotonic() - job.ended_at < ttl * TTL_TRUST
+
+    async def _existing_job(self, job: TrackedJob) -> dict[str, Any] | None:
+        """The Job under this job's name if it is this job's; None if there is none."""
         try:
             found = await read_json(
                 await self._batch.read_namespaced_job(
@@ -311,9 +336,8 @@ class KubernetesBackend(JobEnding):
                 )
             )
         except Exception:
-            return False
-        labels = (found.get("metadata") or {}).get("labels") or {}
-        return bool(labels.get(LABEL_JOB_ID) == job.job_id)
+            return None
+        return dict(found) if _labels(found).get(LABEL_JOB_ID) == job.job_id else None
 
     # -- jobs of other runners ----------------------------------------------------------
 

@@ -2,9 +2,18 @@
 the gke backend, `kinetic-prefect jobs` and `doctor`.
 
 Owns where the credentials come from, reading raw API responses, what an API error
-means for the user, and the small calls several callers make (pod logs, a Job's
-pods and events, deleting a Job, writing a Secret, listing nodes). Nothing here
-interprets Job or pod status (that is `backends/kube_status.py`).
+means for the user, creating an object through a busy or restarting API server
+(`with_retries`, `create_idempotently`), and the small calls several callers make (pod logs, a
+Job's pods and events, deleting a Job, writing a Secret, listing nodes). Nothing
+here interprets Job or pod status (that is `backends/gke/status.py`).
+
+Creates are retried on what an API server answers when it is overloaded or
+restarting (429 with its Retry-After, 500, 502, 503, 504) and on lost
+connections, with backoff, for about `Retries.budget_seconds` in all. A
+retried create is idempotent by name: its 409 AlreadyExists counts as success
+when the object found under that name is ours (an earlier attempt created it and
+its answer was lost), and as the failure it is otherwise. Any other error (403,
+422 Invalid, ...) fails at once.
 
 Where the credentials come from, first match wins:
 
@@ -22,10 +31,12 @@ import asyncio
 import base64
 import json
 import os
-from collections.abc import AsyncIterator, Mapping
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.exceptions import ApiException
 from kubernetes_asyncio.config.config_exception import ConfigException
@@ -153,12 +164,160 @@ async def connect(cluster: Any = None, context: str | None = None) -> ClusterAcc
 
 
 async def read_json(response: Any) -> Any:
-    """The body of a raw (`_preload_content=False`) response, raising on an error status."""
+    """The body of a raw (`_preload_content=False`) response, raising on an error status.
+
+    The `ApiException` keeps the response's headers and body (Retry-After, the Status).
+    """
     body = await response.read()
     response.release()
     if not 200 <= response.status < 300:
-        raise ApiException(status=response.status, reason=body.decode(errors="replace")[:500])
+        error = ApiException(status=response.status, reason=body.decode(errors="replace")[:500])
+        error.headers = response.headers
+        error.body = body
+        raise error
     return json.loads(body)
+
+
+# -- creating through a busy API server ------------------------------------------------------
+
+# What an API server answers when it is overloaded (429: API Priority and Fairness) or
+# cannot reach etcd or a webhook for a moment (5xx): the same request may succeed later.
+_TRANSIENT_STATUSES = frozenset({429, 500, 502, 503, 504})
+
+
+@dataclass(frozen=True)
+class Retries:
+    """How long a request keeps trying through transient errors (see the module docstring)."""
+
+    attempts: int = 5
+    first_delay_seconds: float = 1.0
+    max_delay_seconds: float = 8.0
+    budget_seconds: float = 30.0
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether the same request may succeed later: 429, 5xx, a lost connection, a timeout."""
+    if isinstance(exc, ApiException):
+        return exc.status in _TRANSIENT_STATUSES
+    lost = aiohttp.ClientConnectionError | aiohttp.ClientPayloadError | TimeoutError
+    return isinstance(exc, lost)
+
+
+def _status_body(exc: BaseException) -> dict[str, Any]:
+    """The Kubernetes Status object an API error carries, or {}."""
+    raw = getattr(exc, "body", None) or getattr(exc, "reason", None)
+    if isinstance(raw, bytes):
+        raw = raw.decode(errors="replace")
+    try:
+        status = json.loads(raw) if isinstance(raw, str) else None
+    except ValueError:
+        return {}
+    return status if isinstance(status, dict) and status.get("kind") == "Status" else {}
+
+
+def retry_after_seconds(exc: BaseException) -> float | None:
+    """How long the API server asked us to wait: its Retry-After header or Status details."""
+    headers = getattr(exc, "headers", None) or {}
+    value = next((v for k, v in headers.items() if k.lower() == "retry-after"), None)
+    if value is None:
+        value = (_status_body(exc).get("details") or {}).get("retryAfterSeconds")
+    try:
+        return max(float(value), 0.0) if value is not None else None
+    except (TypeError, ValueError):
+        return None  # an HTTP date: Kubernetes never sends one
+
+
+async def with_retries(
+    send: Callable[[], Awaitable[Any]], what: str, retries: Retries = Retries()
+) -> Any:
+    """The JSON answer to `send()` (one raw request), sent again after transient errors.
+
+    Waits what the server asked (Retry-After) or a jittered, doubling backoff; raises the
+    last error once it is not transient, the attempts are spent or the next wait would
+    pass the budget. Only for requests that may safely arrive twice.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + retries.budget_seconds
+    delay = retries.first_delay_seconds
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return await read_json(await send())
+        except (ApiException, aiohttp.ClientError, TimeoutError) as exc:
+            wait = retry_after_seconds(exc)
+            if wait is None:
+                wait = delay * random.uniform(0.5, 1.0)  # jittered: many launches fail together
+            spent = attempt >= retries.attempts or loop.time() + wait > deadline
+            if spent or not is_transient(exc):
+                raise
+            logger.info(
+                "%s: %s; trying again in %.1fs (attempt %d of %d)",
+                what,
+                api_error_message(exc),
+                wait,
+                attempt + 1,
+                retries.attempts,
+            )
+        await asyncio.sleep(wait)
+        delay = min(delay * 2, retries.max_delay_seconds)
+
+
+async def create_idempotently(
+    create: Callable[[], Awaitable[Any]],
+    read_existing: Callable[[], Awaitable[Any]] | None,
+    ours: Callable[[Mapping[str, Any]], bool],
+    what: str,
+    retries: Retries = Retries(),
+) -> dict[str, Any]:
+    """Create an object through transient errors; returns the object created (or found).
+
+    `create` and `read_existing` make one raw (`_preload_content=False`) request each.
+    A 409 AlreadyExists (an earlier attempt's answer was lost, or another process made
+    it) is success when `ours` says the object found under the name is the one this
+    create makes, and fails otherwise. Without `read_existing` a 409 is success as it
+    is (for objects named by a digest of their contents) and returns {}.
+
+    Example:
+        ```python
+        job = await create_idempotently(
+            lambda: batch.create_namespaced_job(ns, body=manifest, _preload_content=False),
+            lambda: batch.read_namespaced_job(name, ns, _preload_content=False),
+            lambda found: found["metadata"]["labels"].get(LABEL_JOB_ID) == name,
+            f"Job {ns}/{name}",
+        )
+        ```
+    """
+    try:
+        return dict(await with_retries(create, f"Creating {what}", retries))
+    except ApiException as exc:
+        if exc.status != 409:
+            raise
+        if read_existing is None:
+            return {}
+        existing = await read_json(await read_existing())
+        if ours(existing):
+            return dict(existing)
+        raise
+
+
+def owner_reference(job: Mapping[str, Any]) -> dict[str, Any]:
+    """An ownerReference to a created Job, for Kubernetes' garbage collector.
+
+    The collector deletes a dependent once none of its owners exists. Not `controller`
+    (a shared Secret has many owner Jobs and at most one may be its controller), and
+    not `blockOwnerDeletion` (that would hold up deleting the Job, and setting it needs
+    update on jobs/finalizers).
+    """
+    meta = job.get("metadata") or {}
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": False,
+        "blockOwnerDeletion": False,
+    }
 
 
 async def pod_log(core: Any, namespace: str, pod: str, tail: int | None = None) -> str:
@@ -249,34 +408,56 @@ async def job_events(core: Any, namespace: str, job_name: str) -> list[dict[str,
     return list(listing.get("items") or [])
 
 
-async def put_secret(core: Any, namespace: str, name: str, values: Mapping[str, str]) -> None:
-    """Create the Opaque Secret `name` holding `values`.
+async def put_secret(
+    core: Any,
+    namespace: str,
+    name: str,
+    values: Mapping[str, str],
+    owners: Sequence[Mapping[str, Any]] = (),
+) -> None:
+    """Create the Opaque Secret `name` holding `values`, owned by the Jobs `owners` names.
 
     Names are digests of their contents (`kinetic_prefect.launch.pod_secrets`), so an
-    existing Secret of that name already holds these values: it is never read
-    or patched, and the runner needs neither `get` nor `patch` on Secrets.
+    existing Secret of that name already holds these values: it is never read, and the
+    runner needs no `get` on Secrets.
     """
     data = {k: base64.b64encode(v.encode()).decode() for k, v in values.items()}
-    body = {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "type": "Opaque",
-        "metadata": {
-            "name": name,
-            "namespace": namespace,
-            "labels": {LABEL_MANAGED_BY: MANAGED_BY},
-        },
-        "data": data,
+    metadata: dict[str, Any] = {
+        "name": name,
+        "namespace": namespace,
+        "labels": {LABEL_MANAGED_BY: MANAGED_BY},
     }
+    if owners:
+        metadata["ownerReferences"] = [dict(owner) for owner in owners]
+    body = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": metadata}
+    body["data"] = data
     try:
-        await read_json(
-            await core.create_namespaced_secret(namespace, body=body, _preload_content=False)
+        await create_idempotently(
+            lambda: core.create_namespaced_secret(namespace, body=body, _preload_content=False),
+            None,
+            lambda _: True,
+            f"Secret {namespace}/{name}",
         )
-    except ApiException as exc:
-        if exc.status != 409:
-            raise RuntimeError(
-                f"Could not create Secret {namespace}/{name}: {api_error_message(exc)}"
-            ) from exc
+    except Exception as exc:
+        raise RuntimeError(
+            f"Could not create Secret {namespace}/{name}: {api_error_message(exc)}"
+        ) from exc
+
+
+async def add_secret_owners(
+    core: Any, namespace: str, name: str, owners: Sequence[Mapping[str, Any]]
+) -> None:
+    """Add `owners` to the Secret's ownerReferences, keeping those it has.
+
+    A strategic-merge patch: Kubernetes merges ownerReferences by uid, so owners that
+    another process added at the same time stay. Raises `ApiException` 404 when the
+    Secret is gone.
+    """
+    patch = {"metadata": {"ownerReferences": [dict(owner) for owner in owners]}}
+    await with_retries(
+        lambda: core.patch_namespaced_secret(name, namespace, patch, _preload_content=False),
+        f"Adding owners to Secret {namespace}/{name}",
+    )
 
 
 async def delete_secret(core: Any, namespace: str, name: str) -> None:
@@ -294,6 +475,9 @@ def api_error_message(exc: BaseException) -> str:
     """An API error as a user reads it; 401 and 403 say which permissions are missing."""
     status = getattr(exc, "status", None)
     reason = getattr(exc, "reason", None) or getattr(exc, "body", None) or str(exc)
+    body = _status_body(exc)
+    if body.get("message"):
+        reason = f"{body.get('reason') or 'Failure'}: {body['message']}"
     if status in {401, 403}:
         return (
             f"{status} {reason} — the credentials may not create Jobs, Secrets or watch pods in "

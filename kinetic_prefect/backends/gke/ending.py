@@ -123,6 +123,7 @@ class JobEnding:
         if job.done:
             return
         job.done = True
+        job.ended_at = time.monotonic()
         if job.extra_objects:
             self._runtime.spawn(self._delete_services(job), name=f"kinetic-finish-svc-{job.job_id}")
         if job.counted:

@@ -1,12 +1,15 @@
 """The Kinetic Jobs on a cluster, as `kinetic-prefect jobs ls` and `jobs cleanup` see them.
 
-Owns one summary per Job (its task, accelerator, flow run, status and age), built
-from a listing of the namespace's Jobs and pods that kinetic-prefect created.
+Owns one summary per Job (its task, accelerator, flow run, status and age, the
+Secrets it names), built from a listing of the namespace's Jobs and pods that
+kinetic-prefect created.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from kubernetes_asyncio import client
 
@@ -34,6 +37,22 @@ class JobSummary:
     finished: bool
     finished_at: str | None
     pod: str | None
+    uid: str = ""
+    # The Secrets its pods' secretKeyRefs name.
+    secrets: tuple[str, ...] = ()
+
+
+def secrets_named(job: Mapping[str, Any]) -> tuple[str, ...]:
+    """The Secrets the secretKeyRefs of a Job's containers name."""
+    spec = ((job.get("spec") or {}).get("template") or {}).get("spec") or {}
+    containers = [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
+    names = {
+        ref["name"]
+        for container in containers
+        for item in container.get("env") or []
+        if (ref := (item.get("valueFrom") or {}).get("secretKeyRef"))
+    }
+    return tuple(sorted(names))
 
 
 async def list_kinetic_jobs(access: ClusterAccess, namespace: str) -> list[JobSummary]:
@@ -70,6 +89,8 @@ async def list_kinetic_jobs(access: ClusterAccess, namespace: str) -> list[JobSu
                 finished=finished,
                 finished_at=finished_at,
                 pod=(pod or {}).get("metadata", {}).get("name"),
+                uid=meta.get("uid") or "",
+                secrets=secrets_named(job),
             )
         )
     return sorted(summaries, key=lambda s: (s.created, s.name))

@@ -6,9 +6,10 @@ that failed or vanished (the attempt is lost with it), else a host that has not
 started (the slice is pending until every host runs: its pending reason and timeout
 are that host's), else a running host, and only once all N succeeded, host 0.
 
-The headless Service is created right after its Job, owned by it (so Kubernetes'
-garbage collector deletes it with the Job, also after `ttlSecondsAfterFinished`),
-and deleted by the backend when the job ends.
+The headless Service is created right after its Job (through transient API errors,
+see `client.create_idempotently`), owned by it (so Kubernetes' garbage collector
+deletes it with the Job, also after `ttlSecondsAfterFinished`), and deleted by the
+backend when the job ends.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from typing import Any
 
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from kinetic_prefect.backends.gke.client import read_json
+from kinetic_prefect.backends.gke.client import create_idempotently, owner_reference, read_json
 from kinetic_prefect.backends.gke.status import pod_phase, pod_started
+from kinetic_prefect.launch.manifest import LABEL_JOB_ID
 from kinetic_prefect.launch.slices import host_index
 
 
@@ -52,27 +54,34 @@ def slice_pod(
 def owned_by(obj: dict[str, Any], job: Mapping[str, Any]) -> dict[str, Any]:
     """`obj` with an ownerReference to the created Job, for the garbage collector."""
     owned = copy.deepcopy(obj)
-    meta = job.get("metadata") or {}
-    owned["metadata"]["ownerReferences"] = [
-        {"apiVersion": "batch/v1", "kind": "Job", "name": meta["name"], "uid": meta["uid"]}
-    ]
+    owned["metadata"]["ownerReferences"] = [owner_reference(job)]
     return owned
 
 
 async def create_services(
     core: Any, namespace: str, services: Sequence[dict[str, Any]], job: Mapping[str, Any]
 ) -> None:
-    """Create a slice's Services, owned by its created Job (an existing one is kept)."""
+    """Create a slice's Services, owned by its created Job, through transient errors.
+
+    One already there counts as created when it is this Job's (same job-id label).
+    """
     for service in services:
-        try:
-            await read_json(
-                await core.create_namespaced_service(
-                    namespace, body=owned_by(service, job), _preload_content=False
-                )
-            )
-        except ApiException as exc:
-            if exc.status != 409:
-                raise
+        await _create_service(core, namespace, owned_by(service, job))
+
+
+async def _create_service(core: Any, namespace: str, body: dict[str, Any]) -> None:
+    meta = body["metadata"]
+    job_id = (meta.get("labels") or {}).get(LABEL_JOB_ID)
+
+    def ours(found: Mapping[str, Any]) -> bool:
+        return bool(((found.get("metadata") or {}).get("labels") or {}).get(LABEL_JOB_ID) == job_id)
+
+    await create_idempotently(
+        lambda: core.create_namespaced_service(namespace, body=body, _preload_content=False),
+        lambda: core.read_namespaced_service(meta["name"], namespace, _preload_content=False),
+        ours,
+        f"Service {namespace}/{meta['name']}",
+    )
 
 
 async def delete_services(core: Any, namespace: str, services: Sequence[dict[str, Any]]) -> None:

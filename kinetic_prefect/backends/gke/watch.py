@@ -63,6 +63,10 @@ class TrackedJob:
     pods: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False)
     gone_pods: set[str] = field(default_factory=set, repr=False)
     extra_objects: tuple[dict[str, Any], ...] = ()
+    # The Secrets its secretKeyRefs name; the Job is made their owner once created.
+    secret_names: tuple[str, ...] = ()
+    # When it was concluded (time.monotonic()); a finished Job lives on for its TTL.
+    ended_at: float | None = None
 
     @property
     def pod_name(self) -> str | None:
