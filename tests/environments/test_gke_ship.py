@@ -111,24 +111,26 @@ def _local_store(root: Path):  # type: ignore[no-untyped-def]
 def test_an_archive_changed_after_upload_is_refused_in_the_pod(
     gke: str, cluster: KubeCluster, gcs: object, tmp_path: Path
 ) -> None:
+    from kinetic_prefect.common.gcs import GcsStore
+
+    # A store of its own holding the suite's environment, whose archive is then replaced.
+    plan = plan_environment(REPO, parse_accelerator("cpu"), str(SHIPPED_REQUIREMENTS), extras=())
+    shipped = build_locally(plan, GcsStore(gcs.uri))  # type: ignore[attr-defined]
+    archive = shipped.archive_uri.removeprefix(f"gs://{gcs.name}/")  # type: ignore[attr-defined]
+    bucket = gcs.client.bucket(gcs.name)  # type: ignore[attr-defined]
+    bucket.blob(archive).upload_from_string(b"not the environment that was built")
     # A node that has not unpacked the environment yet must download and check it.
     cluster.kubelet.local.node_root = tmp_path / "fresh-node"
 
-    # A store of its own: the archive is replaced below.
     @flow(task_runner=_runner(gke, environment_store=gcs.uri))  # type: ignore[attr-defined]
     def once() -> tuple[int, str, str]:
         return shipped_versions.submit(2).result()
-
-    once()
-    archive = next(n for n in gcs.names("env-cache/") if n.endswith("environment.tar.gz"))  # type: ignore[attr-defined]
-    bucket = gcs.client.bucket(gcs.name)  # type: ignore[attr-defined]
-    bucket.blob(archive).upload_from_string(b"not the environment that was built")
-    cluster.kubelet.local.node_root = tmp_path / "another-fresh-node"
 
     with pytest.raises(
         Exception, match="Failed during environment: .* changed after it was uploaded"
     ):
         once()
+    assert not list((tmp_path / "fresh-node").rglob("*.py")), "nothing of it may be unpacked"
 
 
 @task

@@ -283,6 +283,9 @@ def test_tampered_payload_is_refused_in_the_verify_phase(workdir: Path):
     @flow(task_runner=KineticTaskRunner(max_parallel=1))
     def run() -> PodPhaseError:
         blocker = wait_for_gate.submit(str(gate))
+        # The one pod slot is the blocker's before the victim is submitted, so the victim's
+        # pod cannot start before its payload is tampered with.
+        wait_for_task_run_state(blocker.task_run_id, "RUNNING", 60)
         victim = add.submit(1)
         payload = workdir / ".kinetic" / "kinetic" / victim.job_id / "payload.pkl"
         wait_until(payload.exists, 60, "the victim's payload to be uploaded")
