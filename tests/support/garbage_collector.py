@@ -61,15 +61,8 @@ class GarbageCollector:
         self._session = aiohttp.ClientSession(
             base_url=base_url, headers={"User-Agent": GARBAGE_COLLECTOR_AGENT}
         )
-        position = 0
         try:
-            while True:
-                async with self.emulator._changed:
-                    await self.emulator._changed.wait_for(
-                        lambda seen=position: len(self.emulator.events) > seen
-                    )
-                    batch = self.emulator.events[position:]
-                    position = len(self.emulator.events)
+            async for batch in self.emulator.event_batches():
                 for _, resource, event in batch:
                     self._observe(resource, event["type"], event["object"])
         finally:

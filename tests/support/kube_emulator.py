@@ -250,6 +250,16 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             self.events.append((self.version, resource, copy.deepcopy(event)))
             self._changed.notify_all()
 
+    async def event_batches(self) -> AsyncIterator[list[tuple[int, Any, dict[str, Any]]]]:
+        """Every event since the start, in batches as they are written (for in-process clients)."""
+        position = 0
+        while True:
+            async with self._changed:
+                await self._changed.wait_for(lambda seen=position: len(self.events) > seen)
+                batch = self.events[position:]
+                position = len(self.events)
+            yield batch
+
     # -- listing and watching --------------------------------------------------------
 
     def _matches(

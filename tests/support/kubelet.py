@@ -144,15 +144,8 @@ class Kubelet:
         self._session = aiohttp.ClientSession(
             base_url=base_url, headers={"User-Agent": KUBELET_AGENT}
         )
-        position = 0
         try:
-            while True:
-                async with self.emulator._changed:
-                    await self.emulator._changed.wait_for(
-                        lambda seen=position: len(self.emulator.events) > seen
-                    )
-                    batch = self.emulator.events[position:]
-                    position = len(self.emulator.events)
+            async for batch in self.emulator.event_batches():
                 for _, resource, event in batch:
                     if resource.plural == JOBS:
                         self._on_job(event["type"], event["object"])
