@@ -110,10 +110,108 @@ async def _cluster_checks(cluster: Any, settings: Any, accelerator: str | None) 
                 f"{access.source} ({access.server}), namespace {settings.namespace}",
             )
         )
+        checks.append(await _rbac_check(access, settings.namespace))
+        checks += await _service_account_checks(access, settings)
         if accelerator:
             checks.append(await _node_pool_check(access, accelerator, list_nodes))
     finally:
         await access.close()
+    return checks
+
+
+async def _rbac_check(access: Any, namespace: str) -> Check:
+    """A SelfSubjectAccessReview for every verb the runner uses (`RUNNER_ACCESS`)."""
+    from kubernetes_asyncio import client
+
+    from kinetic_prefect.backends.gke.client import api_error_message, read_json
+    from kinetic_prefect.backends.gke.permissions import RBAC_FILE, RUNNER_ACCESS, access_review
+
+    api = client.AuthorizationV1Api(access.client)
+    denied = []
+    for wanted in RUNNER_ACCESS:
+        body: Any = access_review(namespace, wanted)  # a plain dict, as the API takes it
+        try:
+            review = await read_json(
+                await api.create_self_subject_access_review(body, _preload_content=False)
+            )
+        except Exception as exc:
+            return Check(
+                "RBAC",
+                "warn",
+                f"cannot ask the API server what these credentials may do "
+                f"({api_error_message(exc)}); check with kubectl auth can-i --list -n {namespace}",
+            )
+        if not (review.get("status") or {}).get("allowed"):
+            denied.append(wanted)
+    if denied:
+        missing = "; ".join(f"{a.verb} {a.resource_name} ({a.why})" for a in denied)
+        return Check(
+            "RBAC",
+            "fail",
+            f"{access.source} may not, in namespace {namespace}: {missing}. Apply the Role: "
+            f"kubectl apply -n {namespace} -f {RBAC_FILE}; then bind it to these credentials: "
+            f"kubectl create rolebinding kinetic-prefect-runner-$USER -n {namespace} "
+            "--role kinetic-prefect-runner --user YOUR_ACCOUNT (a pod's service account: "
+            "--serviceaccount NAMESPACE:NAME)",
+        )
+    return Check("RBAC", "ok", f"every verb the runner uses is granted ({len(RUNNER_ACCESS)})")
+
+
+async def _service_account_checks(access: Any, settings: Any) -> list[Check]:
+    """The task pods' service account exists (and has a Google identity); so does the runner's."""
+    from kubernetes_asyncio import client
+    from kubernetes_asyncio.client.exceptions import ApiException
+
+    from kinetic_prefect.backends.gke.client import api_error_message, read_json
+    from kinetic_prefect.backends.gke.permissions import (
+        RBAC_FILE,
+        RUNNER_SERVICE_ACCOUNT,
+        WORKLOAD_IDENTITY_ANNOTATION,
+    )
+
+    core = client.CoreV1Api(access.client)
+    namespace = settings.namespace
+    apply = f"kubectl apply -n {namespace} -f {RBAC_FILE}"
+    checks = []
+    for account, role in (
+        (settings.service_account or "default", "task pods"),
+        (RUNNER_SERVICE_ACCOUNT, "deployed flows' pods (KineticWorker)"),
+    ):
+        name = f"Service account {account}"
+        try:
+            found = await read_json(
+                await core.read_namespaced_service_account(
+                    account, namespace, _preload_content=False
+                )
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                level = "fail" if role == "task pods" else "warn"
+                fix = (
+                    f"{apply}, or set service_account= on the KineticCluster to an existing one"
+                    if role == "task pods"
+                    else apply
+                )
+                checks.append(Check(name, level, f"not found in {namespace}: {fix}"))
+            else:
+                checks.append(
+                    Check(name, "warn", f"cannot read it ({api_error_message(exc)}); {apply}")
+                )
+            continue
+        annotations = (found.get("metadata") or {}).get("annotations") or {}
+        google = annotations.get(WORKLOAD_IDENTITY_ANNOTATION)
+        if google:
+            checks.append(Check(name, "ok", f"{role} act as {google} (Workload Identity)"))
+        else:
+            checks.append(
+                Check(
+                    name,
+                    "warn",
+                    f"{role} run as it but it has no {WORKLOAD_IDENTITY_ANNOTATION} annotation, so "
+                    "they reach GCS only if its own Workload Identity principal is granted the "
+                    f"bucket roles (docs/kubernetes.md); annotate it as {RBAC_FILE} shows",
+                )
+            )
     return checks
 
 

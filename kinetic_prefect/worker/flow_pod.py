@@ -80,9 +80,6 @@ INHERITED_SETTINGS = (
     "pending_timeout_seconds",
     "allow_loopback_api",
 )
-# The flow pod's identity: deployments/k8s/rbac.yaml binds it to the Role that may launch
-# and watch the flow's task pods. Task pods keep the cluster's `service_account`.
-RUNNER_SERVICE_ACCOUNT = "kinetic-prefect-runner"
 
 
 def inherited_settings_env(settings: LaunchSettings) -> dict[str, str]:

@@ -38,13 +38,16 @@ from pydantic import BaseModel, Field, PrivateAttr
 from kinetic_prefect.backends import create_backend
 from kinetic_prefect.backends.base import Backend, PodExit
 from kinetic_prefect.backends.environments import ready_environment
+
+# The flow pod's identity: deployments/k8s/rbac.yaml binds it to the Role that may launch
+# and watch the flow's task pods. Task pods keep the cluster's `service_account`.
+from kinetic_prefect.backends.gke.permissions import RUNNER_SERVICE_ACCOUNT
 from kinetic_prefect.common.storage import open_store
 from kinetic_prefect.launch import prefect_context
 from kinetic_prefect.launch.packaging import find_package_root
 from kinetic_prefect.launch.settings import LaunchSettings
 from kinetic_prefect.worker.flow_pod import (
     FLOW_RUN_COMMAND,
-    RUNNER_SERVICE_ACCOUNT,
     FlowPodPlan,
     crash_message,
     exit_status,
