@@ -107,7 +107,11 @@ app.add_typer(jobs_app)
 
 ClusterOption = Annotated[
     str | None,
-    typer.Option("--cluster", help="Name of a saved KineticCluster block (else KINETIC_* env)."),
+    typer.Option(
+        "--cluster",
+        envvar="KINETIC_CLUSTER",
+        help="Name of a saved KineticCluster block (else KINETIC_* env).",
+    ),
 ]
 NamespaceOption = Annotated[
     str | None, typer.Option("--namespace", "-n", help="Namespace (default: the cluster's).")

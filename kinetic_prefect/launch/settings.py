@@ -143,6 +143,9 @@ _ENV_PARSERS: dict[str, Any] = {
     "environment_store": str,
     "accelerator_extras": lambda v: tuple(p.strip() for p in v.split(",") if p.strip()),
 }
+# The saved `KineticCluster` a runner without `cluster=` uses (`KINETIC_CLUSTER=gke`).
+CLUSTER_ENV = "KINETIC_CLUSTER"
+
 ENV_ALIASES = {"jobs_root": ("KINETIC_JOBS_ROOT", "KINETIC_JOBS_BUCKET")}
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextvars
+import os
 import threading
 import uuid
 from collections.abc import Iterable, Mapping
@@ -29,6 +30,7 @@ from kinetic_prefect.launch.manifest import new_job_id as make_job_id
 from kinetic_prefect.launch.packaging import check_picklable
 from kinetic_prefect.launch.pod_secrets import env_value
 from kinetic_prefect.launch.settings import (
+    CLUSTER_ENV,
     LaunchSettings,
     current_overrides,
     join_uri,
@@ -112,8 +114,9 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
     Args:
         accelerator: accelerator name, e.g. `"cpu"`, `"l4x2"`, `"tpu-v5e-4"` (default `cpu`);
             add `:spot` for spot capacity. `kinetic-prefect accelerators` lists them.
-        cluster: a `KineticCluster` block, its saved name, or None (then `KINETIC_*`
-            variables, then the embedded local backend).
+        cluster: a `KineticCluster` block, its saved name, or None (then the block
+            `KINETIC_CLUSTER` names, then `KINETIC_*` variables, then the embedded local
+            backend).
         backend: `"local"` or `"gke"`; normally taken from the cluster.
         max_parallel: pods running at once (local default: the CPU count).
         container_image: image for the pod container (GKE).
@@ -311,12 +314,13 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
     # -- settings and checks before any pod ------------------------------------
 
     def _cluster_obj(self) -> Any:
-        if self._cluster is None:
+        cluster = self._cluster if self._cluster is not None else os.environ.get(CLUSTER_ENV)
+        if not cluster:
             return None
         if self._cluster_block is None:
             from kinetic_prefect.blocks import load_cluster
 
-            self._cluster_block = load_cluster(self._cluster)
+            self._cluster_block = load_cluster(cluster)
         return self._cluster_block
 
     def _settings(self) -> LaunchSettings:

@@ -333,3 +333,23 @@ def test_resources_override_applies_only_inside_the_block(launched_manifests):
         for m in launched_manifests
     )
     assert selectors == ["none", "nvidia-l4"]
+
+
+@task
+def environment_variable(name: str) -> str | None:
+    return os.environ.get(name)
+
+
+def test_a_runner_without_cluster_uses_the_block_kinetic_cluster_names(monkeypatch):
+    from kinetic_prefect.blocks import KineticCluster
+
+    KineticCluster(backend="local", env={"CHOSEN_BY": "the saved block"}).save(
+        "named-by-env", overwrite=True
+    )
+    monkeypatch.setenv("KINETIC_CLUSTER", "named-by-env")
+
+    @flow(task_runner=KineticTaskRunner())
+    def run() -> str | None:
+        return environment_variable.submit("CHOSEN_BY").result()
+
+    assert run() == "the saved block"
