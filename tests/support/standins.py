@@ -1,0 +1,193 @@
+"""`kubectl` for the emulated cluster: the commands the docs tell users to run, and only those.
+
+The walk-through tests run the docs' command lines as written; `kubectl` is not
+installed here, so `install_kubectl(bin_dir)` puts this stand-in on the PATH. It
+reads the kubeconfig kubectl would (`$KUBECONFIG`, its current context's server
+and bearer token) and makes the requests kubectl makes:
+
+- `kubectl apply -n NS -f FILE`: each document is created, or replaced when it
+  exists (client-side apply without the last-applied annotation);
+- `kubectl create rolebinding NAME -n NS --role ROLE (--user U | --serviceaccount NS:SA)`;
+- `kubectl annotate serviceaccount NAME -n NS KEY=VALUE [--overwrite]`.
+
+Anything else fails, so a doc that starts using another command fails its test
+until the stand-in learns it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+# kind -> (API path prefix, plural, namespaced)
+_KINDS = {
+    "ServiceAccount": ("/api/v1", "serviceaccounts", True),
+    "Secret": ("/api/v1", "secrets", True),
+    "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles", True),
+    "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings", True),
+    "ClusterRole": ("/apis/rbac.authorization.k8s.io/v1", "clusterroles", False),
+    "ClusterRoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "clusterrolebindings", False),
+}
+
+
+class KubectlError(Exception):
+    pass
+
+
+def _config() -> tuple[str, str]:
+    """The current context's server and bearer token."""
+    path = os.environ.get("KUBECONFIG", "").split(os.pathsep)[0] or str(
+        Path.home() / ".kube" / "config"
+    )
+    config = json.loads(Path(path).read_text())
+    context = next(c for c in config["contexts"] if c["name"] == config["current-context"])
+    cluster = next(c for c in config["clusters"] if c["name"] == context["context"]["cluster"])
+    user = next(u for u in config["users"] if u["name"] == context["context"]["user"])
+    return cluster["cluster"]["server"].rstrip("/"), user["user"].get("token", "")
+
+
+def _request(method: str, path: str, body: Any = None) -> tuple[int, Any]:
+    server, token = _config()
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(server + path, data=data, method=method)
+    request.add_header("Authorization", f"Bearer {token}")
+    request.add_header(
+        "Content-Type",
+        "application/merge-patch+json" if method == "PATCH" else "application/json",
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read() or b"{}")
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+def _collection(kind: str, namespace: str) -> str:
+    if kind not in _KINDS:
+        raise KubectlError(f'error: the stand-in kubectl cannot apply kind "{kind}"')
+    prefix, plural, namespaced = _KINDS[kind]
+    return f"{prefix}/namespaces/{namespace}/{plural}" if namespaced else f"{prefix}/{plural}"
+
+
+def _check(status: int, answer: Any, what: str) -> None:
+    if status >= 400:
+        message = answer.get("message", answer) if isinstance(answer, dict) else answer
+        raise KubectlError(f"Error from server ({what}): {message}")
+
+
+def apply(namespace: str, path: str) -> list[str]:
+    import yaml
+
+    done = []
+    for doc in yaml.safe_load_all(Path(path).read_text()):
+        if not doc:
+            continue
+        kind, name = doc["kind"], doc["metadata"]["name"]
+        collection = _collection(kind, namespace)
+        if _KINDS[kind][2]:
+            doc["metadata"]["namespace"] = namespace
+        status, answer = _request("POST", collection, doc)
+        verb = "created"
+        if status == 409:
+            status, answer = _request("PUT", f"{collection}/{name}", doc)
+            verb = "configured"
+        _check(status, answer, f"{kind} {name}")
+        done.append(f"{kind.lower()}/{name} {verb}")
+    return done
+
+
+def create_rolebinding(
+    namespace: str, name: str, role: str, users: list[str], accounts: list[str]
+) -> str:
+    subjects = [{"kind": "User", "apiGroup": "rbac.authorization.k8s.io", "name": u} for u in users]
+    for account in accounts:
+        account_namespace, _, account_name = account.partition(":")
+        subjects.append(
+            {"kind": "ServiceAccount", "name": account_name, "namespace": account_namespace}
+        )
+    body = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": {"name": name, "namespace": namespace},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role},
+        "subjects": subjects,
+    }
+    status, answer = _request("POST", _collection("RoleBinding", namespace), body)
+    _check(status, answer, f"RoleBinding {name}")
+    return f"rolebinding.rbac.authorization.k8s.io/{name} created"
+
+
+def annotate(namespace: str, kind: str, name: str, pairs: list[str], overwrite: bool) -> str:
+    if kind not in {"serviceaccount", "sa"}:
+        raise KubectlError(f"error: the stand-in kubectl cannot annotate {kind}")
+    path = f"{_collection('ServiceAccount', namespace)}/{name}"
+    status, current = _request("GET", path)
+    _check(status, current, f"ServiceAccount {name}")
+    existing = (current.get("metadata") or {}).get("annotations") or {}
+    annotations = dict(pair.split("=", 1) for pair in pairs)
+    clash = [k for k in annotations if k in existing and existing[k] != annotations[k]]
+    if clash and not overwrite:
+        raise KubectlError(f"error: --overwrite is false but found the annotation {clash[0]}")
+    status, answer = _request("PATCH", path, {"metadata": {"annotations": annotations}})
+    _check(status, answer, f"ServiceAccount {name}")
+    return f"serviceaccount/{name} annotated"
+
+
+def kubectl(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="kubectl")
+    parser.add_argument("-n", "--namespace", default="default")
+    sub = parser.add_subparsers(dest="command", required=True)
+    apply_parser = sub.add_parser("apply")
+    apply_parser.add_argument("-n", "--namespace", dest="sub_namespace")
+    apply_parser.add_argument("-f", "--filename", required=True)
+    create = sub.add_parser("create").add_subparsers(dest="what", required=True)
+    binding = create.add_parser("rolebinding")
+    binding.add_argument("name")
+    binding.add_argument("-n", "--namespace", dest="sub_namespace")
+    binding.add_argument("--role", required=True)
+    binding.add_argument("--user", action="append", default=[])
+    binding.add_argument("--serviceaccount", action="append", default=[])
+    annotate_parser = sub.add_parser("annotate")
+    annotate_parser.add_argument("kind")
+    annotate_parser.add_argument("name")
+    annotate_parser.add_argument("pairs", nargs="+")
+    annotate_parser.add_argument("-n", "--namespace", dest="sub_namespace")
+    annotate_parser.add_argument("--overwrite", action="store_true")
+    args = parser.parse_args(argv)
+    namespace = getattr(args, "sub_namespace", None) or args.namespace
+    try:
+        if args.command == "apply":
+            lines = apply(namespace, args.filename)
+        elif args.command == "create":
+            lines = [
+                create_rolebinding(namespace, args.name, args.role, args.user, args.serviceaccount)
+            ]
+        else:
+            lines = [annotate(namespace, args.kind, args.name, args.pairs, args.overwrite)]
+    except KubectlError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    print("\n".join(lines))
+    return 0
+
+
+def install_kubectl(bin_dir: Path) -> Path:
+    """Put the stand-in on a PATH directory, run by this interpreter; returns its path."""
+    root = Path(__file__).resolve().parents[2]
+    script = bin_dir / "kubectl"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    script.write_text(
+        f"#!{sys.executable}\n"
+        "import sys\n"
+        f"sys.path.insert(0, {str(root)!r})\n"
+        "from tests.support.standins import kubectl\n"
+        "sys.exit(kubectl(sys.argv[1:]))\n"
+    )
+    script.chmod(0o755)
+    return script
