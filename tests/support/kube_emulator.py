@@ -6,7 +6,9 @@ resourceVersion (410 Gone once compacted) or end on a server-side timeout or a
 cut, Foreground deletion (a finalizer the kubelet releases), strategic-merge
 patches of `metadata.ownerReferences` (merged by uid), pod logs, and injected API
 errors (`fail_next`): a request answered with an error Status, as the API server
-writes one, before anything is stored.
+writes one, before anything is stored. Every request is authenticated and
+authorized, and pods pass ServiceAccount admission, as kube-apiserver does them
+(tests/support/kube_auth.py).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import attrs
 import kmock
 from kmock._internal import aiobus
 
+from tests.support import kube_auth
 from tests.support.kube_objects import now
 
 JOBS = "jobs"
@@ -93,18 +96,12 @@ class ApiFault:
         if self.retry_after is not None:
             details["retryAfterSeconds"] = self.retry_after
             headers["Retry-After"] = str(self.retry_after)
-        status = {
-            "kind": "Status",
-            "apiVersion": "v1",
-            "metadata": {},
-            "status": "Failure",
-            "message": self.message,
-            "reason": self.reason,
-            "code": self.code,
-        }
-        if details:
-            status["details"] = details
+        status = kube_auth.status(self.code, self.reason, self.message, details)
         return aiohttp.web.json_response(status, status=self.code, headers=headers)
+
+
+def _status_response(status: dict[str, Any]) -> aiohttp.web.Response:
+    return aiohttp.web.json_response(status, status=status["code"])
 
 
 def _merge_owner_references(patch: dict[str, Any], stored: dict[str, Any]) -> None:
@@ -157,6 +154,10 @@ class ClusterEmulator(kmock.KubernetesEmulator):
     faults: list[ApiFault] = attrs.field(factory=list, init=False)
     # time.monotonic() at which each request arrived, by request id.
     arrived_at: dict[int, float] = attrs.field(factory=dict, init=False)
+    # Authentication: bearer token -> user; these User-Agents are the cluster's controllers.
+    tokens: dict[str, kube_auth.User] = attrs.field(factory=dict, init=False)
+    controller_agents: set[str] = attrs.field(factory=set, init=False)
+    policy: kube_auth.Policy = attrs.field(factory=kube_auth.Policy, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -207,8 +208,57 @@ class ClusterEmulator(kmock.KubernetesEmulator):
 
     # -- state changes --------------------------------------------------------------
 
+    def _user(self, request: kmock.Request) -> kube_auth.User | None:
+        if request.headers.get("User-Agent") in self.controller_agents:
+            return kube_auth.CONTROLLERS
+        token = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        return kube_auth.authenticate(token, self.tokens, self.policy.account_exists)
+
+    def _attributes(self, request: kmock.Request, user: kube_auth.User) -> kube_auth.Attributes:
+        verb = kube_auth.request_verb(request.method.value, request.name, dict(request.params))
+        resource = request.resource
+        if resource is None:
+            return kube_auth.Attributes(user, verb, request.url.path, resource_request=False)
+        return kube_auth.Attributes(
+            user,
+            verb,
+            request.url.path,
+            api_group=resource.group or "",
+            api_version=resource.version or "",
+            resource=resource.plural or "",
+            subresource=request.subresource or "",
+            namespace=request.namespace or "",
+            name=request.name or "",
+        )
+
+    def _refusal(self, request: kmock.Request) -> aiohttp.web.Response | None:
+        """401, 403 or an admission's 403 for a request kube-apiserver would not serve."""
+        user = self._user(request)
+        if user is None:
+            return _status_response(kube_auth.unauthorized())
+        attrs = self._attributes(request, user)
+        if attrs.resource == "selfsubjectaccessreviews" and attrs.verb == "create":
+            allowed, reason = self.policy.authorize(attrs)
+            if not allowed:
+                return _status_response(kube_auth.denied(attrs, reason))
+            review = request.data if isinstance(request.data, dict) else {}
+            return aiohttp.web.json_response(
+                kube_auth.access_review(user, review, self.policy), status=201
+            )
+        allowed, reason = self.policy.authorize(attrs)
+        if not allowed:
+            return _status_response(kube_auth.denied(attrs, reason))
+        if attrs.resource == PODS and attrs.verb == "create" and isinstance(request.data, dict):
+            refused = kube_auth.missing_service_account(request.data, attrs.namespace, self.policy)
+            if refused is not None:
+                return _status_response(refused)
+        return None
+
     async def _handle(self, request: kmock.Request) -> Any:
         self.arrived_at[request.id] = time.monotonic()
+        refusal = self._refusal(request)
+        if refusal is not None:
+            return refusal
         fault = self._take_fault(request)
         if fault is not None:
             return fault.response()
@@ -246,6 +296,8 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             obj = copy.deepcopy(obj)
             event = {**event, "object": obj}
         obj.setdefault("metadata", {})["resourceVersion"] = str(self.version)
+        if resource.plural in kube_auth.POLICY_PLURALS:
+            self.policy.record(resource.plural, str(event.get("type")), copy.deepcopy(obj))
         async with self._changed:
             self.events.append((self.version, resource, copy.deepcopy(event)))
             self._changed.notify_all()
