@@ -134,7 +134,11 @@ class KubeCluster:
             aiohttp.ClientSession(base_url=self.url, headers=headers) as session,
             session.request(method, path, json=body) as response,
         ):
-            return response.status, await response.json()
+            text = await response.text()
+        try:
+            return response.status, json.loads(text)
+        except ValueError:  # a watch's stream of events, or nothing
+            return response.status, text
 
     def request_as(self, token: str, method: str, path: str, body: Any = None) -> Any:
         """(HTTP status, JSON answer) of one request made with the bearer token `token`."""
