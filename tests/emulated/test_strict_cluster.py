@@ -132,6 +132,7 @@ def test_the_job_controller_retries_a_pod_refused_for_its_account_until_the_acco
 
 
 def test_a_request_without_a_known_token_is_unauthorized(cluster):
+    cluster.refusals_expected = True
     for token in ("", "no-such-token", service_account_token("default", "nobody")):
         status, answer = cluster.request_as(token, "GET", "/api/v1/namespaces/default/pods")
 
@@ -150,6 +151,7 @@ def test_a_request_without_a_known_token_is_unauthorized(cluster):
 
 
 def test_the_runner_identity_may_not_delete_pods(cluster):
+    cluster.refusals_expected = True
     status, answer = cluster.request_as(RUNNER, "DELETE", "/api/v1/namespaces/default/pods/x")
 
     assert status == 403
@@ -164,6 +166,7 @@ def test_the_runner_identity_may_not_delete_pods(cluster):
 def test_the_runner_identity_may_do_what_its_role_grants_and_nothing_in_another_namespace(
     cluster,
 ):
+    cluster.refusals_expected = True
     jobs = "/apis/batch/v1/namespaces/{}/jobs"
 
     assert cluster.request_as(RUNNER, "GET", jobs.format("default"))[0] == 200
@@ -180,6 +183,7 @@ def test_the_runner_identity_may_do_what_its_role_grants_and_nothing_in_another_
 def test_without_its_binding_the_users_requests_are_forbidden_and_the_error_says_what_to_do(
     gke, cluster
 ):
+    cluster.refusals_expected = True
     cluster.unbind_user()
 
     state, message = _failed_run(gke)

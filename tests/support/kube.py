@@ -75,6 +75,8 @@ class KubeCluster:
         self.url = ""
         self.kubeconfig = workspace / "kubeconfig.json"
         self._server: kmock.Server | None = None
+        # Set by a test that provokes 401s or 403s; otherwise each one fails the test.
+        self.refusals_expected = False
         self._kubelet_task: asyncio.Task[Any] | None = None
         self._collector_task: asyncio.Task[Any] | None = None
 
@@ -152,7 +154,7 @@ class KubeCluster:
             status, answer = await self._send(ADMIN_TOKEN, "POST", path, doc)
             if status == 409:  # applied before (a ClusterRole for another namespace): update
                 name = doc["metadata"]["name"]
-                status, answer = await self._send(ADMIN_TOKEN, "PUT", f"{path}/{name}", doc)
+                status, answer = await self._send(ADMIN_TOKEN, "PATCH", f"{path}/{name}", doc)
             if status >= 300:
                 raise RuntimeError(f"Applying {doc['kind']}: {status} {answer}")
 
@@ -169,6 +171,10 @@ class KubeCluster:
         status, answer = self.request_as(ADMIN_TOKEN, "DELETE", path)
         if status >= 300:
             raise RuntimeError(f"DELETE {path}: {status} {answer}")
+
+    def refusals(self) -> list[tuple[int, str, str, str]]:
+        """Every 401 and RBAC 403 the API answered: (code, method, path, message)."""
+        return self.call(lambda: list(self.emulator.refusals))
 
     def unbind_user(self, namespace: str = NAMESPACE) -> None:
         """Take the Role away from the kubeconfig's user: its requests get 403."""

@@ -158,6 +158,8 @@ class ClusterEmulator(kmock.KubernetesEmulator):
     tokens: dict[str, kube_auth.User] = attrs.field(factory=dict, init=False)
     controller_agents: set[str] = attrs.field(factory=set, init=False)
     policy: kube_auth.Policy = attrs.field(factory=kube_auth.Policy, init=False)
+    # Every 401 and RBAC 403 answered: (code, method, path, message).
+    refusals: list[tuple[int, str, str, str]] = attrs.field(factory=list, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -233,32 +235,46 @@ class ClusterEmulator(kmock.KubernetesEmulator):
 
     def _refusal(self, request: kmock.Request) -> aiohttp.web.Response | None:
         """401, 403 or an admission's 403 for a request kube-apiserver would not serve."""
-        user = self._user(request)
-        if user is None:
-            return _status_response(kube_auth.unauthorized())
-        attrs = self._attributes(request, user)
-        if attrs.resource == "selfsubjectaccessreviews" and attrs.verb == "create":
-            allowed, reason = self.policy.authorize(attrs)
-            if not allowed:
-                return _status_response(kube_auth.denied(attrs, reason))
-            review = request.data if isinstance(request.data, dict) else {}
-            return aiohttp.web.json_response(
-                kube_auth.access_review(user, review, self.policy), status=201
-            )
-        allowed, reason = self.policy.authorize(attrs)
-        if not allowed:
-            return _status_response(kube_auth.denied(attrs, reason))
-        if attrs.resource == PODS and attrs.verb == "create" and isinstance(request.data, dict):
-            refused = kube_auth.missing_service_account(request.data, attrs.namespace, self.policy)
+        status = self._authorization_refusal(request)
+        if status is not None:
+            path = str(request.url.path_qs)
+            self.refusals.append((status["code"], request.method.value, path, status["message"]))
+            return _status_response(status)
+        resource = request.resource
+        if resource is not None and resource.plural == PODS and request.method.value == "POST":
+            pod = request.data if isinstance(request.data, dict) else {}
+            refused = kube_auth.missing_service_account(pod, request.namespace or "", self.policy)
             if refused is not None:
                 return _status_response(refused)
         return None
+
+    def _authorization_refusal(self, request: kmock.Request) -> dict[str, Any] | None:
+        user = self._user(request)
+        if user is None:
+            return kube_auth.unauthorized()
+        attrs = self._attributes(request, user)
+        allowed, reason = self.policy.authorize(attrs)
+        return None if allowed else kube_auth.denied(attrs, reason)
+
+    def _access_review(self, request: kmock.Request) -> aiohttp.web.Response | None:
+        """The answer to a SelfSubjectAccessReview (its creator is authorized already)."""
+        resource = request.resource
+        if resource is None or resource.plural != "selfsubjectaccessreviews":
+            return None
+        user = self._user(request)
+        assert user is not None
+        review = request.data if isinstance(request.data, dict) else {}
+        answer = kube_auth.access_review(user, review, self.policy)
+        return aiohttp.web.json_response(answer, status=201)
 
     async def _handle(self, request: kmock.Request) -> Any:
         self.arrived_at[request.id] = time.monotonic()
         refusal = self._refusal(request)
         if refusal is not None:
             return refusal
+        review = self._access_review(request)
+        if review is not None:
+            return review
         fault = self._take_fault(request)
         if fault is not None:
             return fault.response()
