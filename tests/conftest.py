@@ -199,11 +199,18 @@ class GcsTestBucket:
 
 @pytest.fixture
 def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[KubeCluster]:
-    """An emulated cluster the kubeconfig points at; every Job created must validate strictly."""
+    """An emulated cluster the kubeconfig points at; every Job created must validate strictly.
+
+    It enforces RBAC from deployments/k8s/rbac.yaml (tests/support/kube_auth.py): a request
+    it refuses fails the test unless the test set `cluster.refusals_expected`, so a
+    permission the product lacks cannot hide behind a swallowed error.
+    """
     with running_cluster(tmp_path / "cluster") as emulated:
         monkeypatch.setenv("KUBECONFIG", str(emulated.kubeconfig))
         yield emulated
         created = emulated.created_jobs()
+        refusals = [] if emulated.refusals_expected else emulated.refusals()
+    assert refusals == [], f"The cluster refused requests: {refusals}"
     for manifest in created:
         kubernetes_validate.validate(manifest, kubernetes_validate.latest_version(), strict=True)
 

@@ -45,7 +45,7 @@ cli = CliRunner()
 
 @pytest.fixture
 def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[KubeCluster]:
-    with running_cluster(tmp_path / "cluster") as emulated:
+    with running_cluster(tmp_path / "cluster", namespaces=("default", "ml")) as emulated:
         emulated.kubelet.run_containers = False
         monkeypatch.setenv("KUBECONFIG", str(emulated.kubeconfig))
         # `jobs logs` and `jobs attach` follow the configured backend (default local).

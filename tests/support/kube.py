@@ -5,6 +5,12 @@ local port with a `Kubelet` (tests/support/kubelet.py) and a `GarbageCollector`
 (tests/support/garbage_collector.py) working on it, all on an event loop in a
 background thread, and writes a kubeconfig that points at them.
 `KubeCluster` is the tests' synchronous handle on both.
+
+The cluster is as strict as GKE's (tests/support/kube_auth.py): the kubeconfig's
+user "tester" may do only what RBAC grants it. At start an admin applies
+deployments/k8s/rbac.yaml to each of the tests' namespaces, as `kubectl apply`
+would, and binds its Role to "tester" with deployments/k8s/user-binding.yaml, as
+a laptop user is told to (`unbind_user()` takes that binding away again).
 """
 
 from __future__ import annotations
@@ -17,14 +23,34 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import kmock
 
 from tests.support.garbage_collector import GARBAGE_COLLECTOR_AGENT, GarbageCollector
+from tests.support.kube_auth import AUTHENTICATED, MASTERS, User
 from tests.support.kube_emulator import JOBS, PODS, ClusterEmulator
 from tests.support.kubelet import KUBELET_AGENT, Kubelet
 
 # The cluster's own controllers: their requests are not a client's.
 _CONTROLLER_AGENTS = {KUBELET_AGENT, GARBAGE_COLLECTOR_AGENT}
+
+TESTER = "tester"
+TESTER_TOKEN = "test-token"
+# A cluster administrator (kubectl as the cluster's creator), who applies the manifests.
+ADMIN_TOKEN = "admin-token"
+NAMESPACE = "default"
+_K8S = Path(__file__).resolve().parents[2] / "deployments" / "k8s"
+RBAC_MANIFEST = _K8S / "rbac.yaml"
+USER_BINDING_MANIFEST = _K8S / "user-binding.yaml"
+# kind -> (API prefix, plural) for what the manifests above hold.
+_KINDS = {
+    "ServiceAccount": ("/api/v1", "serviceaccounts"),
+    "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles"),
+    "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
+    "ClusterRole": ("/apis/rbac.authorization.k8s.io/v1", "clusterroles"),
+    "ClusterRoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "clusterrolebindings"),
+}
+_CLUSTER_SCOPED = {"ClusterRole", "ClusterRoleBinding"}
 
 # Longer than aiohttp needs to close finished handlers, on a loaded machine.
 SERVER_STOP_SECONDS = 15.0
@@ -37,11 +63,20 @@ class KubeCluster:
         self.loop = loop
         self.workspace = workspace
         self.emulator = ClusterEmulator()
+        self.emulator.controller_agents.update(_CONTROLLER_AGENTS)
+        self.emulator.tokens.update(
+            {
+                TESTER_TOKEN: User(TESTER),
+                ADMIN_TOKEN: User("admin", (MASTERS, AUTHENTICATED)),
+            }
+        )
         self.kubelet = Kubelet(self.emulator, workspace / "kubelet")
         self.garbage_collector = GarbageCollector(self.emulator)
         self.url = ""
         self.kubeconfig = workspace / "kubeconfig.json"
         self._server: kmock.Server | None = None
+        # Set by a test that provokes 401s or 403s; otherwise each one fails the test.
+        self.refusals_expected = False
         self._kubelet_task: asyncio.Task[Any] | None = None
         self._collector_task: asyncio.Task[Any] | None = None
 
@@ -88,10 +123,65 @@ class KubeCluster:
             "apiVersion": "v1",
             "kind": "Config",
             "clusters": [{"name": "kmock", "cluster": {"server": self.url}}],
-            "users": [{"name": "tester", "user": {"token": "test-token"}}],
-            "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "tester"}}],
+            "users": [{"name": TESTER, "user": {"token": TESTER_TOKEN}}],
+            "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": TESTER}}],
             "current-context": "kmock",
         }
+
+    # -- requests as someone ------------------------------------------------------------
+
+    async def _send(self, token: str, method: str, path: str, body: Any = None) -> Any:
+        headers = {"Authorization": f"Bearer {token}"}
+        async with (
+            aiohttp.ClientSession(base_url=self.url, headers=headers) as session,
+            session.request(method, path, json=body) as response,
+        ):
+            text = await response.text()
+        try:
+            return response.status, json.loads(text)
+        except ValueError:  # a watch's stream of events, or nothing
+            return response.status, text
+
+    def request_as(self, token: str, method: str, path: str, body: Any = None) -> Any:
+        """(HTTP status, JSON answer) of one request made with the bearer token `token`."""
+        return self.run(self._send(token, method, path, body))
+
+    async def _apply(self, docs: list[dict[str, Any]], namespace: str = NAMESPACE) -> None:
+        for doc in docs:
+            prefix, plural = _KINDS[doc["kind"]]
+            scope = "" if doc["kind"] in _CLUSTER_SCOPED else f"/namespaces/{namespace}"
+            path = f"{prefix}{scope}/{plural}"
+            status, answer = await self._send(ADMIN_TOKEN, "POST", path, doc)
+            if status == 409:  # applied before (a ClusterRole for another namespace): update
+                name = doc["metadata"]["name"]
+                status, answer = await self._send(ADMIN_TOKEN, "PATCH", f"{path}/{name}", doc)
+            if status >= 300:
+                raise RuntimeError(f"Applying {doc['kind']}: {status} {answer}")
+
+    def apply(self, manifest: Path, namespace: str = NAMESPACE, **replace: str) -> None:
+        """`kubectl apply -n namespace -f manifest` as the admin, placeholders replaced."""
+        import yaml
+
+        text = manifest.read_text()
+        for placeholder, value in replace.items():
+            text = text.replace(placeholder, value)
+        self.run(self._apply([doc for doc in yaml.safe_load_all(text) if doc], namespace))
+
+    def delete_as_admin(self, path: str) -> None:
+        status, answer = self.request_as(ADMIN_TOKEN, "DELETE", path)
+        if status >= 300:
+            raise RuntimeError(f"DELETE {path}: {status} {answer}")
+
+    def refusals(self) -> list[tuple[int, str, str, str]]:
+        """Every 401 and RBAC 403 the API answered: (code, method, path, message)."""
+        return self.call(lambda: list(self.emulator.refusals))
+
+    def unbind_user(self, namespace: str = NAMESPACE) -> None:
+        """Take the Role away from the kubeconfig's user: its requests get 403."""
+        self.delete_as_admin(
+            f"/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}"
+            "/rolebindings/kinetic-prefect-users"
+        )
 
     # -- what tests look at ---------------------------------------------------------------
 
@@ -162,8 +252,16 @@ class KubeCluster:
 
 
 @contextmanager
-def running_cluster(workspace: Path) -> Iterator[KubeCluster]:
-    """An emulated cluster with a kubelet, served on a local port until the block ends."""
+def running_cluster(
+    workspace: Path, namespaces: tuple[str, ...] = (NAMESPACE,)
+) -> Iterator[KubeCluster]:
+    """An emulated cluster with a kubelet, served on a local port until the block ends.
+
+    deployments/k8s/rbac.yaml and the kubeconfig user's binding are applied to each
+    of `namespaces`.
+    """
+    from tests.support.kube_auth import BOOTSTRAP_POLICY
+
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="kmock", daemon=True)
     thread.start()
@@ -171,6 +269,10 @@ def running_cluster(workspace: Path) -> Iterator[KubeCluster]:
     cluster = KubeCluster(loop, workspace)
     try:
         cluster.run(cluster._start())
+        cluster.run(cluster._apply(BOOTSTRAP_POLICY))
+        for namespace in namespaces:
+            cluster.apply(RBAC_MANIFEST, namespace)
+            cluster.apply(USER_BINDING_MANIFEST, namespace, USER=TESTER)
         cluster.kubeconfig.write_text(json.dumps(cluster.kubeconfig_dict()))
         yield cluster
     finally:

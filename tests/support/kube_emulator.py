@@ -6,7 +6,9 @@ resourceVersion (410 Gone once compacted) or end on a server-side timeout or a
 cut, Foreground deletion (a finalizer the kubelet releases), strategic-merge
 patches of `metadata.ownerReferences` (merged by uid), pod logs, and injected API
 errors (`fail_next`): a request answered with an error Status, as the API server
-writes one, before anything is stored.
+writes one, before anything is stored. Every request is authenticated and
+authorized, and pods pass ServiceAccount admission, as kube-apiserver does them
+(tests/support/kube_auth.py).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import attrs
 import kmock
 from kmock._internal import aiobus
 
+from tests.support import kube_auth
 from tests.support.kube_objects import now
 
 JOBS = "jobs"
@@ -93,18 +96,12 @@ class ApiFault:
         if self.retry_after is not None:
             details["retryAfterSeconds"] = self.retry_after
             headers["Retry-After"] = str(self.retry_after)
-        status = {
-            "kind": "Status",
-            "apiVersion": "v1",
-            "metadata": {},
-            "status": "Failure",
-            "message": self.message,
-            "reason": self.reason,
-            "code": self.code,
-        }
-        if details:
-            status["details"] = details
+        status = kube_auth.status(self.code, self.reason, self.message, details)
         return aiohttp.web.json_response(status, status=self.code, headers=headers)
+
+
+def _status_response(status: dict[str, Any]) -> aiohttp.web.Response:
+    return aiohttp.web.json_response(status, status=status["code"])
 
 
 def _merge_owner_references(patch: dict[str, Any], stored: dict[str, Any]) -> None:
@@ -157,6 +154,12 @@ class ClusterEmulator(kmock.KubernetesEmulator):
     faults: list[ApiFault] = attrs.field(factory=list, init=False)
     # time.monotonic() at which each request arrived, by request id.
     arrived_at: dict[int, float] = attrs.field(factory=dict, init=False)
+    # Authentication: bearer token -> user; these User-Agents are the cluster's controllers.
+    tokens: dict[str, kube_auth.User] = attrs.field(factory=dict, init=False)
+    controller_agents: set[str] = attrs.field(factory=set, init=False)
+    policy: kube_auth.Policy = attrs.field(factory=kube_auth.Policy, init=False)
+    # Every 401 and RBAC 403 answered: (code, method, path, message).
+    refusals: list[tuple[int, str, str, str]] = attrs.field(factory=list, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -207,8 +210,71 @@ class ClusterEmulator(kmock.KubernetesEmulator):
 
     # -- state changes --------------------------------------------------------------
 
+    def _user(self, request: kmock.Request) -> kube_auth.User | None:
+        if request.headers.get("User-Agent") in self.controller_agents:
+            return kube_auth.CONTROLLERS
+        token = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        return kube_auth.authenticate(token, self.tokens, self.policy.account_exists)
+
+    def _attributes(self, request: kmock.Request, user: kube_auth.User) -> kube_auth.Attributes:
+        verb = kube_auth.request_verb(request.method.value, request.name, dict(request.params))
+        resource = request.resource
+        if resource is None:
+            return kube_auth.Attributes(user, verb, request.url.path, resource_request=False)
+        return kube_auth.Attributes(
+            user,
+            verb,
+            request.url.path,
+            api_group=resource.group or "",
+            api_version=resource.version or "",
+            resource=resource.plural or "",
+            subresource=request.subresource or "",
+            namespace=request.namespace or "",
+            name=request.name or "",
+        )
+
+    def _refusal(self, request: kmock.Request) -> aiohttp.web.Response | None:
+        """401, 403 or an admission's 403 for a request kube-apiserver would not serve."""
+        status = self._authorization_refusal(request)
+        if status is not None:
+            path = str(request.url.path_qs)
+            self.refusals.append((status["code"], request.method.value, path, status["message"]))
+            return _status_response(status)
+        resource = request.resource
+        if resource is not None and resource.plural == PODS and request.method.value == "POST":
+            pod = request.data if isinstance(request.data, dict) else {}
+            refused = kube_auth.missing_service_account(pod, request.namespace or "", self.policy)
+            if refused is not None:
+                return _status_response(refused)
+        return None
+
+    def _authorization_refusal(self, request: kmock.Request) -> dict[str, Any] | None:
+        user = self._user(request)
+        if user is None:
+            return kube_auth.unauthorized()
+        attrs = self._attributes(request, user)
+        allowed, reason = self.policy.authorize(attrs)
+        return None if allowed else kube_auth.denied(attrs, reason)
+
+    def _access_review(self, request: kmock.Request) -> aiohttp.web.Response | None:
+        """The answer to a SelfSubjectAccessReview (its creator is authorized already)."""
+        resource = request.resource
+        if resource is None or resource.plural != "selfsubjectaccessreviews":
+            return None
+        user = self._user(request)
+        assert user is not None
+        review = request.data if isinstance(request.data, dict) else {}
+        answer = kube_auth.access_review(user, review, self.policy)
+        return aiohttp.web.json_response(answer, status=201)
+
     async def _handle(self, request: kmock.Request) -> Any:
         self.arrived_at[request.id] = time.monotonic()
+        refusal = self._refusal(request)
+        if refusal is not None:
+            return refusal
+        review = self._access_review(request)
+        if review is not None:
+            return review
         fault = self._take_fault(request)
         if fault is not None:
             return fault.response()
@@ -246,6 +312,8 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             obj = copy.deepcopy(obj)
             event = {**event, "object": obj}
         obj.setdefault("metadata", {})["resourceVersion"] = str(self.version)
+        if resource.plural in kube_auth.POLICY_PLURALS:
+            self.policy.record(resource.plural, str(event.get("type")), copy.deepcopy(obj))
         async with self._changed:
             self.events.append((self.version, resource, copy.deepcopy(event)))
             self._changed.notify_all()

@@ -2,7 +2,8 @@
 
 Pure builders: the pod a Job controller makes from a Job's template, the pod
 statuses of each stage (waiting, unschedulable, running, terminated), a Job's
-final status, the FailedCreate event of a Job over quota, and the scheduler's
+final status, the FailedCreate event of a Job whose pod the API refused (over
+quota, a missing service account), and the scheduler's
 message when no `Node` fits.
 """
 
@@ -90,6 +91,7 @@ def pod_of_job(
         "kind": "Pod",
         "metadata": {
             "name": name,
+            "generateName": f"{job_name}-" if index is None else f"{job_name}-{index}-",
             "namespace": namespace,
             "labels": labels,
             "annotations": annotations,
@@ -177,8 +179,16 @@ def finished_job_status(exit_code: int) -> dict[str, Any]:
     return {"conditions": [condition], "succeeded" if exit_code == 0 else "failed": 1}
 
 
-def quota_event(job: dict[str, Any], event_name: str, pod_name: str) -> dict[str, Any]:
-    """The FailedCreate event of a Job whose pod a GPU ResourceQuota forbids."""
+def quota_refusal(pod_name: str) -> str:
+    """The API server's 403 message for a pod a GPU ResourceQuota forbids."""
+    return (
+        f'pods "{pod_name}" is forbidden: exceeded quota: gpu-quota, '
+        "requested: nvidia.com/gpu=1, used: nvidia.com/gpu=8, limited: nvidia.com/gpu=8"
+    )
+
+
+def failed_create_event(job: dict[str, Any], event_name: str, refusal: str) -> dict[str, Any]:
+    """The Job controller's FailedCreate event: the API server refused its pod with `refusal`."""
     namespace = job["metadata"]["namespace"]
     return {
         "apiVersion": "v1",
@@ -193,9 +203,6 @@ def quota_event(job: dict[str, Any], event_name: str, pod_name: str) -> dict[str
         },
         "reason": "FailedCreate",
         "type": "Warning",
-        "message": (
-            f'Error creating: pods "{pod_name}" is forbidden: exceeded quota: gpu-quota, '
-            "requested: nvidia.com/gpu=1, used: nvidia.com/gpu=8, limited: nvidia.com/gpu=8"
-        ),
+        "message": f"Error creating: {refusal}",
         "lastTimestamp": now(),
     }

@@ -3,10 +3,13 @@
 For every created Job it makes a pod, runs its container through `LocalBackend`
 (secretKeyRefs resolved from the Secrets stored in the emulator) and writes pod
 and Job status back over HTTP, as another client of the API. It can instead
-leave the pod pending (image pull error, unschedulable, quota) or end it as
+leave the pod pending (image pull error, unschedulable) or end it as
 Kubernetes would (OOMKilled, evicted, preempted, deadline). As Kubernetes'
 TTL-after-finished controller does, it deletes a finished Job (and so its pods)
-`ttlSecondsAfterFinished` after the Job finished.
+`ttlSecondsAfterFinished` after the Job finished. A pod the API server refuses
+(over quota, a service account that does not exist) is not created: as the Job
+controller does, it records a FailedCreate event on the Job and tries again with
+backoff.
 
 A container runs the interpreter of its image: a stock `python` image has a bare
 one, with its standard library and pip only (`bare_python()`), so a pod of the
@@ -48,9 +51,10 @@ from kinetic_prefect.launch.slices import hosts_of
 from tests.support.kube_emulator import JOBS, ClusterEmulator
 from tests.support.kube_objects import (
     Node,
+    failed_create_event,
     finished_job_status,
     pod_of_job,
-    quota_event,
+    quota_refusal,
     running_status,
     terminated_status,
     unschedulable_message,
@@ -117,6 +121,10 @@ class Kubelet:
         self.nodes = [Node()]
         self.missing_images: set[str] = set()
         self.quota_exceeded = False
+        # The Job controller's backoff between attempts to create a refused pod (its
+        # DefaultJobApiBackOff and MaxJobApiBackOff).
+        self.create_backoff_seconds = 1.0
+        self.create_backoff_max_seconds = 60.0
         self.fault: str | None = None
         self.faults_by_job: dict[str, str] = {}
         # With `fault`: how many pods it applies to before pods run normally again.
@@ -232,61 +240,86 @@ class Kubelet:
     # -- scheduling and starting ------------------------------------------------------------
 
     async def _start(self, pod: _Pod) -> None:
-        async with pod.lock:
-            job = pod.job
-            job_name = job["metadata"]["name"]
-            if self.quota_exceeded:
-                await self._failed_create(pod)
-                return
-            template = job["spec"]["template"]
-            slice_hosts = len(pod.names) if len(pod.names) > 1 else None
-            for index, name in enumerate(pod.names):
-                body = pod_of_job(job, name, pod.namespace, index if slice_hosts else None)
-                await self._request("POST", f"/api/v1/namespaces/{pod.namespace}/pods", body)
-            unschedulable = unschedulable_message(self.nodes, template["spec"], len(pod.names))
-            if unschedulable:
-                # One pod per node: the pods past the nodes that fit stay unschedulable.
-                fit = sum(unschedulable_message([n], template["spec"]) is None for n in self.nodes)
-                await self._pod_status(
-                    pod,
-                    unschedulable_status(unschedulable),
-                    pod.names[min(fit, len(pod.names) - 1) :],
-                )
-                return
-            image = template["spec"]["containers"][0]["image"]
-            if image in self.missing_images:
-                for reason, message in (
-                    ("ErrImagePull", f'failed to pull and unpack image "{image}": not found'),
-                    ("ImagePullBackOff", f'Back-off pulling image "{image}"'),
-                ):
-                    await self._pod_status(pod, waiting_status(image, reason, message))
-                return
-            try:
-                values = self._secret_values(pod, template["spec"])
-            except KeyError as exc:
-                await self._pod_status(
-                    pod, waiting_status(image, "CreateContainerConfigError", str(exc))
-                )
-                return
-            log = self.workspace / f"{job_name}.log"
-            for index, name in enumerate(pod.names):
-                host_log = log if index == 0 else self.workspace / f"{job_name}.host{index}.log"
-                self.emulator.log_files[(pod.namespace, name)] = host_log
-            self._pin_counted_fault(job_name)
-            if self._fault(job_name) or not self.run_containers:
-                log.write_text(f"container of {job_name} started\n")
-                await self._pod_status(pod, running_status(image))
-                self._spawn(self._simulate_end(pod))
-                return
-            manifest = copy.deepcopy(job)
-            manifest["spec"]["template"]["spec"]["containers"][0].setdefault("env", []).append(
-                {"name": "KUBECONFIG", "value": self._pod_kubeconfig(pod, template["spec"])}
+        """Create the Job's pods, retrying with backoff while the API refuses them, then run."""
+        delay = self.create_backoff_seconds
+        while True:
+            async with pod.lock:
+                if pod.terminating:
+                    return
+                refusal = await self._create_pods(pod)
+                if refusal is None:
+                    await self._run(pod)
+                    return
+                await self._failed_create(pod, refusal)
+            # As the Job controller requeues a Job whose pod it could not create.
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.create_backoff_max_seconds)
+
+    async def _create_pods(self, pod: _Pod) -> str | None:
+        """Create the Job's pods; the API server's refusal (quota, admission) if it refused."""
+        if self.quota_exceeded:
+            return quota_refusal(pod.name)
+        slice_hosts = len(pod.names) if len(pod.names) > 1 else None
+        for index, name in enumerate(pod.names):
+            body = pod_of_job(pod.job, name, pod.namespace, index if slice_hosts else None)
+            path = f"/api/v1/namespaces/{pod.namespace}/pods"
+            assert self._session is not None
+            async with self._session.post(path, json=body) as response:
+                if response.status == 403:
+                    return str((await response.json()).get("message"))
+                if response.status >= 300:
+                    raise RuntimeError(f"POST {path}: {response.status} {await response.text()}")
+        return None
+
+    async def _run(self, pod: _Pod) -> None:
+        """Schedule and start the Job's created pods (the caller holds the pod's lock)."""
+        job = pod.job
+        job_name = job["metadata"]["name"]
+        template = job["spec"]["template"]
+        unschedulable = unschedulable_message(self.nodes, template["spec"], len(pod.names))
+        if unschedulable:
+            # One pod per node: the pods past the nodes that fit stay unschedulable.
+            fit = sum(unschedulable_message([n], template["spec"]) is None for n in self.nodes)
+            await self._pod_status(
+                pod,
+                unschedulable_status(unschedulable),
+                pod.names[min(fit, len(pod.names) - 1) :],
             )
-            self.local.launch(
-                manifest, on_exit=lambda outcome: self._exited(pod, outcome), secrets=values
+            return
+        image = template["spec"]["containers"][0]["image"]
+        if image in self.missing_images:
+            for reason, message in (
+                ("ErrImagePull", f'failed to pull and unpack image "{image}": not found'),
+                ("ImagePullBackOff", f'Back-off pulling image "{image}"'),
+            ):
+                await self._pod_status(pod, waiting_status(image, reason, message))
+            return
+        try:
+            values = self._secret_values(pod, template["spec"])
+        except KeyError as exc:
+            await self._pod_status(
+                pod, waiting_status(image, "CreateContainerConfigError", str(exc))
             )
-            pod.running = True
+            return
+        log = self.workspace / f"{job_name}.log"
+        for index, name in enumerate(pod.names):
+            host_log = log if index == 0 else self.workspace / f"{job_name}.host{index}.log"
+            self.emulator.log_files[(pod.namespace, name)] = host_log
+        self._pin_counted_fault(job_name)
+        if self._fault(job_name) or not self.run_containers:
+            log.write_text(f"container of {job_name} started\n")
             await self._pod_status(pod, running_status(image))
+            self._spawn(self._simulate_end(pod))
+            return
+        manifest = copy.deepcopy(job)
+        manifest["spec"]["template"]["spec"]["containers"][0].setdefault("env", []).append(
+            {"name": "KUBECONFIG", "value": self._pod_kubeconfig(pod, template["spec"])}
+        )
+        self.local.launch(
+            manifest, on_exit=lambda outcome: self._exited(pod, outcome), secrets=values
+        )
+        pod.running = True
+        await self._pod_status(pod, running_status(image))
 
     def _pod_kubeconfig(self, pod: _Pod, pod_spec: dict[str, Any]) -> str:
         return pod_kubeconfig(self.workspace, self._base_url, pod.namespace, pod_spec)
@@ -296,9 +329,9 @@ class Kubelet:
             lambda name: self.emulator.find("secrets", pod.namespace, name), pod.namespace, pod_spec
         )
 
-    async def _failed_create(self, pod: _Pod) -> None:
+    async def _failed_create(self, pod: _Pod, refusal: str) -> None:
         event_name = f"{pod.job['metadata']['name']}.{secrets.token_hex(4)}"
-        event = quota_event(pod.job, event_name, pod.name)
+        event = failed_create_event(pod.job, event_name, refusal)
         await self._request("POST", f"/api/v1/namespaces/{pod.namespace}/events", event)
 
     # -- ending -----------------------------------------------------------------------------

@@ -342,13 +342,19 @@ class KubernetesBackend(JobEnding):
     # -- jobs of other runners ----------------------------------------------------------
 
     async def _find_pods(self, flow_run_id: str, namespace: str) -> list[FoundPod]:
-        listing = await read_json(
-            await self._batch.list_namespaced_job(
-                namespace,
-                label_selector=f"{MANAGED_SELECTOR},{LABEL_FLOW_RUN_ID}={flow_run_id}",
-                _preload_content=False,
+        try:
+            listing = await read_json(
+                await self._batch.list_namespaced_job(
+                    namespace,
+                    label_selector=f"{MANAGED_SELECTOR},{LABEL_FLOW_RUN_ID}={flow_run_id}",
+                    _preload_content=False,
+                )
             )
-        )
+        except ApiException as exc:
+            raise RuntimeError(
+                f"Could not list the Jobs of flow run {flow_run_id} in namespace {namespace}: "
+                f"{api_error_message(exc)}"
+            ) from exc
         found = []
         for item in listing.get("items") or []:
             meta = item.get("metadata") or {}

@@ -32,6 +32,7 @@ import base64
 import json
 import os
 import random
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -478,9 +479,52 @@ def api_error_message(exc: BaseException) -> str:
     body = _status_body(exc)
     if body.get("message"):
         reason = f"{body.get('reason') or 'Failure'}: {body['message']}"
-    if status in {401, 403}:
+    if status == 403:
+        return f"{status} {reason} — {_forbidden_hint(str(body.get('message') or reason))}"
+    if status == 401:
         return (
-            f"{status} {reason} — the credentials may not create Jobs, Secrets or watch pods in "
-            "this namespace; apply deployments/k8s/rbac.yaml"
+            f"{status} {reason} — the cluster did not accept the credentials (expired or revoked "
+            "token, or a deleted service account); get new ones (gcloud container clusters "
+            "get-credentials CLUSTER) or check the KineticCluster's kube_config"
         )
     return f"{status} {reason}" if status else f"{type(exc).__name__}: {exc}"
+
+
+# kube-apiserver's words for a request RBAC denied.
+_FORBIDDEN = re.compile(
+    r'User "(?P<user>[^"]*)" cannot (?P<verb>\S+) resource "(?P<resource>[^"]*)" '
+    r'in API group "(?P<group>[^"]*)"(?: in the namespace "(?P<namespace>[^"]*)")?'
+)
+_SERVICE_ACCOUNT_USER = re.compile(r"system:serviceaccount:(?P<namespace>[^:]+):(?P<name>.+)")
+
+
+def _forbidden_hint(message: str) -> str:
+    """What to do about a 403: the verb and resource the identity lacks, and how to grant it."""
+    denied = _FORBIDDEN.search(message)
+    if denied is None:
+        return (
+            "the credentials may not create Jobs, Secrets or watch pods in this namespace; "
+            "apply deployments/k8s/rbac.yaml"
+        )
+    user, verb, resource = denied.group("user", "verb", "resource")
+    group = denied.group("group")
+    namespace = denied.group("namespace") or "NAMESPACE"
+    what = f'"{verb}" on {resource}' + (f" (API group {group})" if group else "")
+    account = _SERVICE_ACCOUNT_USER.fullmatch(user)
+    if account is not None and account.group("name") == "kinetic-prefect-runner":
+        grant = f"apply it: kubectl apply -n {namespace} -f deployments/k8s/rbac.yaml"
+    elif account is not None:
+        grant = (
+            f"run as the service account kinetic-prefect-runner, or bind the Role "
+            f"kinetic-prefect-runner to {account.group('name')} (deployments/k8s/rbac.yaml)"
+        )
+    else:
+        grant = (
+            f"apply deployments/k8s/rbac.yaml and bind its Role to {user} "
+            f"(sed s/USER/{user}/ deployments/k8s/user-binding.yaml | kubectl apply -n "
+            f"{namespace} -f -)"
+        )
+    return (
+        f"{user} lacks {what} in namespace {namespace}, which kinetic-prefect needs "
+        f"(the Role kinetic-prefect-runner grants it); {grant}"
+    )

@@ -31,7 +31,11 @@ from kinetic_prefect.backends.gke.loop_thread import LoopThread
 from kinetic_prefect.backends.gke.outcomes import OutcomeTracker
 from kinetic_prefect.backends.gke.secrets import JobSecrets
 from kinetic_prefect.backends.gke.slice import delete_services
-from kinetic_prefect.backends.gke.status import failed_create_reason, infrastructure_took
+from kinetic_prefect.backends.gke.status import (
+    failed_create_reason,
+    infrastructure_took,
+    lasting_failed_create,
+)
 from kinetic_prefect.backends.gke.watch import TrackedJob
 from kinetic_prefect.launch.slices import host_index
 
@@ -190,6 +194,10 @@ class JobEnding:
             logger.debug("Could not read the events of %s: %s", job.job_id, exc)
             return
         reason = failed_create_reason(events)
-        if reason is None or job.done:
+        if reason is None or job.done or job.failing_to_start:
+            return
+        lasting = lasting_failed_create(events)
+        if lasting is not None:
+            self._start_failing(job, lasting)
             return
         self._report_pending(job, reason)

@@ -3,12 +3,14 @@
 Owns the interpretation shared by the gke backend and `kinetic-prefect jobs`: whether a
 pod ever started, how it ended (exit code, signal, and the most telling reason:
 preempted, Evicted, OOMKilled, DeadlineExceeded), why a pending pod is not running
-(image pull, container config, unschedulable, with what the pod asks of a node) and
-the one-line status a Job shows in `jobs ls`.
+(image pull, container config, unschedulable, with what the pod asks of a node), why
+the Job controller cannot create its pod (and whether waiting can help) and the
+one-line status a Job shows in `jobs ls`.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,6 +23,11 @@ _IMAGE_WAITING_REASONS = {
     "ErrImageNeverPull",
     "RegistryUnavailable",
 }
+# The ServiceAccount admission plugin's refusal, as a FailedCreate event of the Job quotes it.
+_MISSING_SERVICE_ACCOUNT = re.compile(
+    r"error looking up service account (?P<namespace>[^/\s]+)/(?P<name>[^:\s]+): "
+    r'serviceaccount "[^"]*" not found'
+)
 _CONFIG_WAITING_REASONS = {"CreateContainerConfigError", "CreateContainerError"}
 _DISRUPTIONS = {
     "PreemptionByScheduler": "preempted by the scheduler for a higher-priority pod",
@@ -175,13 +182,38 @@ def pending_reason(pod: Mapping[str, Any], manifest: Mapping[str, Any]) -> str |
     return None
 
 
-def failed_create_reason(events: list[dict[str, Any]]) -> str | None:
-    """Why the Job controller cannot create a pod (quota, admission), from the Job's events."""
+def _latest_failed_create(events: list[dict[str, Any]]) -> str | None:
     failures = [e for e in events if e.get("reason") == "FailedCreate"]
     if not failures:
         return None
     latest = max(failures, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
-    return f"cannot create the pod: {latest.get('message') or 'FailedCreate'}"
+    return str(latest.get("message") or "FailedCreate")
+
+
+def failed_create_reason(events: list[dict[str, Any]]) -> str | None:
+    """Why the Job controller cannot create a pod (quota, admission), from the Job's events."""
+    message = _latest_failed_create(events)
+    return f"cannot create the pod: {message}" if message is not None else None
+
+
+def lasting_failed_create(events: list[dict[str, Any]]) -> str | None:
+    """A reason from the Job's events that waiting will not fix, with the fix; else None.
+
+    The pod's service account does not exist: the Job controller retries until someone
+    creates it, so the pod would stay uncreated until the pending timeout.
+    """
+    message = _latest_failed_create(events)
+    found = _MISSING_SERVICE_ACCOUNT.search(message or "")
+    if found is None:
+        return None
+    namespace, name = found.group("namespace"), found.group("name")
+    return (
+        f"cannot create the pod: its service account {name} does not exist in namespace "
+        f"{namespace} ({message}). Apply deployments/k8s/rbac.yaml to the namespace "
+        f"(kubectl apply -n {namespace} -f deployments/k8s/rbac.yaml creates the accounts "
+        "kinetic-prefect-runner and kinetic-prefect-pods), or set KineticCluster.service_account "
+        f"to an account that exists (kubectl get serviceaccounts -n {namespace})"
+    )
 
 
 def job_status(
