@@ -77,7 +77,13 @@ def _bucket_checks(cluster: Any, settings: Any) -> list[Check]:
 async def _cluster_checks(cluster: Any, settings: Any, accelerator: str | None) -> list[Check]:
     from kubernetes_asyncio import client
 
-    from kinetic_prefect.backends.gke.client import MANAGED_SELECTOR, connect, list_nodes, read_json
+    from kinetic_prefect.backends.gke.client import (
+        MANAGED_SELECTOR,
+        api_error_message,
+        connect,
+        list_nodes,
+        read_json,
+    )
 
     try:
         access = await connect(cluster, settings.kube_context)
@@ -95,21 +101,24 @@ async def _cluster_checks(cluster: Any, settings: Any, accelerator: str | None) 
                 )
             )
         except Exception as exc:
-            return [
+            checks.append(
                 Check(
                     "Cluster access",
                     "fail",
                     f"{access.source} ({access.server}) cannot list Jobs in namespace "
-                    f"{settings.namespace}: {exc}. Apply deployments/k8s/rbac.yaml.",
+                    f"{settings.namespace}: {api_error_message(exc)}",
                 )
-            ]
-        checks.append(
-            Check(
-                "Cluster access",
-                "ok",
-                f"{access.source} ({access.server}), namespace {settings.namespace}",
             )
-        )
+            if getattr(exc, "status", None) not in {401, 403}:
+                return checks  # no answer to go on with
+        else:
+            checks.append(
+                Check(
+                    "Cluster access",
+                    "ok",
+                    f"{access.source} ({access.server}), namespace {settings.namespace}",
+                )
+            )
         checks.append(await _rbac_check(access, settings.namespace))
         checks += await _service_account_checks(access, settings)
         if accelerator:
@@ -124,7 +133,12 @@ async def _rbac_check(access: Any, namespace: str) -> Check:
     from kubernetes_asyncio import client
 
     from kinetic_prefect.backends.gke.client import api_error_message, read_json
-    from kinetic_prefect.backends.gke.permissions import RBAC_FILE, RUNNER_ACCESS, access_review
+    from kinetic_prefect.backends.gke.permissions import (
+        RBAC_FILE,
+        RUNNER_ACCESS,
+        USER_BINDING_FILE,
+        access_review,
+    )
 
     api = client.AuthorizationV1Api(access.client)
     denied = []
@@ -148,11 +162,9 @@ async def _rbac_check(access: Any, namespace: str) -> Check:
         return Check(
             "RBAC",
             "fail",
-            f"{access.source} may not, in namespace {namespace}: {missing}. Apply the Role: "
-            f"kubectl apply -n {namespace} -f {RBAC_FILE}; then bind it to these credentials: "
-            f"kubectl create rolebinding kinetic-prefect-runner-$USER -n {namespace} "
-            "--role kinetic-prefect-runner --user YOUR_ACCOUNT (a pod's service account: "
-            "--serviceaccount NAMESPACE:NAME)",
+            f"{access.source} may not, in namespace {namespace}: {missing}. Apply the Role "
+            f"(kubectl apply -n {namespace} -f {RBAC_FILE}) and bind it to these credentials: "
+            f"sed s/USER/YOUR_ACCOUNT/ {USER_BINDING_FILE} | kubectl apply -n {namespace} -f -",
         )
     return Check("RBAC", "ok", f"every verb the runner uses is granted ({len(RUNNER_ACCESS)})")
 
@@ -164,6 +176,7 @@ async def _service_account_checks(access: Any, settings: Any) -> list[Check]:
 
     from kinetic_prefect.backends.gke.client import api_error_message, read_json
     from kinetic_prefect.backends.gke.permissions import (
+        PODS_SERVICE_ACCOUNT,
         RBAC_FILE,
         RUNNER_SERVICE_ACCOUNT,
         WORKLOAD_IDENTITY_ANNOTATION,
@@ -173,10 +186,20 @@ async def _service_account_checks(access: Any, settings: Any) -> list[Check]:
     namespace = settings.namespace
     apply = f"kubectl apply -n {namespace} -f {RBAC_FILE}"
     checks = []
-    for account, role in (
-        (settings.service_account or "default", "task pods"),
-        (RUNNER_SERVICE_ACCOUNT, "deployed flows' pods (KineticWorker)"),
-    ):
+    accounts = [(RUNNER_SERVICE_ACCOUNT, "deployed flows' pods (KineticWorker)")]
+    if settings.service_account:
+        accounts.insert(0, (settings.service_account, "task pods"))
+    else:
+        checks.append(
+            Check(
+                "Service account",
+                "warn",
+                f"task pods run as namespace {namespace}'s default service account; give them "
+                f"their own: service_account='{PODS_SERVICE_ACCOUNT}' on the KineticCluster "
+                f"(blocks/save_gke.py's default), created by {RBAC_FILE}",
+            )
+        )
+    for account, role in accounts:
         name = f"Service account {account}"
         try:
             found = await read_json(

@@ -289,6 +289,59 @@ def gke_block(cluster, gcs, prefect_api) -> str:
     return "doctor"
 
 
+def _doctor_block(gcs: Any, name: str, **fields: Any) -> str:
+    KineticCluster(
+        backend="gke",
+        jobs_bucket=gcs.uri,
+        result_storage=GcsBucket.load("doctor-results"),
+        **fields,
+    ).save(name, overwrite=True)
+    return name
+
+
+def test_doctor_passes_rbac_and_service_accounts_after_rbac_yaml(gke_block, gcs, monkeypatch):
+    monkeypatch.setenv("KINETIC_ALLOW_LOOPBACK_API", "true")
+    name = _doctor_block(gcs, "doctor-pods", service_account="kinetic-prefect-pods")
+
+    result = cli.invoke(app, ["doctor", "--cluster", name])
+
+    assert "ok  RBAC: every verb the runner uses is granted" in result.output, result.output
+    assert "Service account kinetic-prefect-pods: task pods" in result.output
+    assert "FAIL" not in result.output
+
+
+def test_doctor_fails_a_pods_service_account_that_does_not_exist_naming_the_fix(
+    gke_block, gcs, monkeypatch
+):
+    monkeypatch.setenv("KINETIC_ALLOW_LOOPBACK_API", "true")
+    # The account blocks/save_gke.py once defaulted to; rbac.yaml creates kinetic-prefect-pods.
+    name = _doctor_block(gcs, "doctor-typo", service_account="kinetic-prefect-pod")
+
+    result = cli.invoke(app, ["doctor", "--cluster", name])
+
+    assert result.exit_code == 1
+    assert (
+        "FAIL  Service account kinetic-prefect-pod: not found in default: kubectl apply -n "
+        "default -f deployments/k8s/rbac.yaml, or set service_account="
+    ) in result.output
+
+
+def test_doctor_lists_every_verb_a_user_without_the_binding_lacks(gke_block, cluster, monkeypatch):
+    monkeypatch.setenv("KINETIC_ALLOW_LOOPBACK_API", "true")
+    cluster.refusals_expected = True
+    cluster.unbind_user()
+
+    result = cli.invoke(app, ["doctor", "--cluster", gke_block])
+
+    assert result.exit_code == 1
+    assert "FAIL  Cluster access" in result.output
+    flat = " ".join(result.output.split())  # the console folds long lines
+    rbac = flat[flat.index("RBAC:") : flat.index("Service account")]
+    for verb in ("create jobs.batch", "watch pods", "get pods/log", "create secrets"):
+        assert verb in rbac
+    assert "sed s/USER/YOUR_ACCOUNT/ deployments/k8s/user-binding.yaml | kubectl apply" in rbac
+
+
 def test_doctor_fails_a_loopback_prefect_api_for_the_gke_backend(gke_block):
     result = cli.invoke(app, ["doctor", "--cluster", gke_block])
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 RBAC_FILE = "deployments/k8s/rbac.yaml"
+# Binds the Role to a person's own kubeconfig user.
+USER_BINDING_FILE = "deployments/k8s/user-binding.yaml"
 RUNNER_ROLE = "kinetic-prefect-runner"
 RUNNER_SERVICE_ACCOUNT = "kinetic-prefect-runner"
 PODS_SERVICE_ACCOUNT = "kinetic-prefect-pods"
