@@ -43,6 +43,20 @@ class AttemptEnd:
     reported_by_pod: bool
     task_run: Any = None  # the pod's view of the task run (run count), when it reported
 
+    @property
+    def retrying(self) -> bool:
+        """The pod's engine ended its one attempt by recording a retry (a slice): relaunch it."""
+        return self.reported_by_pod and not self.state.is_final()
+
+    def retry_delay(self) -> float:
+        """Seconds until the retry the pod recorded is due (0 for an immediate `Retrying`)."""
+        scheduled = self.state.state_details.scheduled_time
+        if not self.retrying or not self.state.is_scheduled() or scheduled is None:
+            return 0.0
+        from prefect.types._datetime import now
+
+        return max(0.0, (scheduled - now("UTC")).total_seconds())
+
 
 def read_attempt_end(
     store: JobsStore, job_id: str, outcome: PodExit, signing_key: str

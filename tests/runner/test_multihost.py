@@ -58,10 +58,46 @@ def count_to_ten_losing_host_2_at_step_6() -> tuple[int, str]:
     return start, output_dir()
 
 
-def _state_types(task_run_id: object) -> list[str]:
+@task
+def allgather_an_array_argument(values: object) -> dict[str, object]:
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import multihost_utils
+
+    # Each host scales the argument by its own rank: the sum proves every host took part.
+    gathered = multihost_utils.process_allgather(jnp.asarray(values) * (jax.process_index() + 1))
+    return {"shape": list(gathered.shape), "sum": int(gathered.sum())}
+
+
+@task(retries=1)
+def host_0_fails_the_first_attempt(marks: str) -> int:
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import multihost_utils
+    from prefect.runtime import task_run
+
+    host = jax.process_index()
+    attempt = os.environ["KINETIC_ATTEMPT"]
+    Path(marks, f"host {host} attempt {attempt} run {task_run.run_count}").touch()
+    # Every host has written its mark before host 0 raises.
+    multihost_utils.sync_global_devices("marked")
+    if host == 0 and attempt == "1":
+        raise RuntimeError("host 0 fails its first attempt")
+    return int(multihost_utils.process_allgather(jnp.asarray(host + 1)).sum())
+
+
+# Each host's attempt (KINETIC_ATTEMPT) and Prefect run count, as the hosts saw them.
+EVERY_HOST_IN_ATTEMPTS_1_AND_2 = {f"host {h} attempt {a} run {a}" for h in range(4) for a in (1, 2)}
+
+
+def _states(task_run_id: object) -> list[object]:
     with get_client(sync_client=True) as client:
         states = client.read_task_run_states(task_run_id)  # type: ignore[arg-type]
-    return [s.type.value for s in states]
+    return sorted(states, key=lambda s: s.timestamp)
+
+
+def _state_types(task_run_id: object) -> list[str]:
+    return [s.type.value for s in _states(task_run_id)]  # type: ignore[attr-defined]
 
 
 def test_a_four_host_slice_sums_every_hosts_index_and_host_0_reports_once():
@@ -75,6 +111,39 @@ def test_a_four_host_slice_sums_every_hosts_index_and_host_0_reports_once():
     assert (result["total"], result["processes"], result["reporter"]) == (0 + 1 + 2 + 3, 4, 0)
     assert len(set(result["pids"])) == 4  # type: ignore[arg-type]
     assert _state_types(task_run_id).count("COMPLETED") == 1
+
+
+def test_a_jax_array_argument_reaches_every_host_of_a_four_host_slice():
+    import jax.numpy as jnp
+
+    @flow(task_runner=KineticTaskRunner(accelerator="tpu-v5e-16", env=CPU_JAX))
+    def run() -> dict[str, object]:
+        return allgather_an_array_argument.submit(jnp.arange(8)).result()
+
+    result = run()
+
+    assert result == {"shape": [4, 8], "sum": 28 * (1 + 2 + 3 + 4)}
+
+
+def test_an_exception_on_host_0_retries_the_whole_slice_with_one_attempt_number(workdir):
+    marks = workdir / "marks"
+    marks.mkdir()
+
+    # A deadline, so that hosts stuck in mismatched collectives fail the test, not hang it.
+    runner = KineticTaskRunner(accelerator="tpu-v5e-16", env=CPU_JAX, timeout_seconds=120)
+
+    @flow(task_runner=runner)
+    def run() -> tuple[int, object, int]:
+        future = host_0_fails_the_first_attempt.submit(str(marks))
+        return future.result(), future.task_run_id, len(future.job_ids)
+
+    total, task_run_id, pods = run()
+
+    assert (total, pods) == (1 + 2 + 3 + 4, 2)
+    assert {p.name for p in marks.iterdir()} == EVERY_HOST_IN_ATTEMPTS_1_AND_2
+    names = [s.name for s in _states(task_run_id)]  # type: ignore[attr-defined]
+    assert names.count("Retrying") + names.count("AwaitingRetry") == 1
+    assert (names.count("Completed"), names.count("Failed")) == (1, 0)
 
 
 @pytest.mark.slow
