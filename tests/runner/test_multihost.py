@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from kinetic_prefect.outputs.checkpoint import checkpoint_manager, output_dir
 pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
 
 CPU_JAX = {"JAX_PLATFORMS": "cpu"}
+DEADLINE = 120
 
 
 @task
@@ -129,16 +131,19 @@ def test_an_exception_on_host_0_retries_the_whole_slice_with_one_attempt_number(
     marks = workdir / "marks"
     marks.mkdir()
 
-    # A deadline, so that hosts stuck in mismatched collectives fail the test, not hang it.
-    runner = KineticTaskRunner(accelerator="tpu-v5e-16", env=CPU_JAX, timeout_seconds=120)
+    # A deadline, so that hosts stuck in mismatched collectives or in JAX's shutdown fail the
+    # test instead of hanging it.
+    runner = KineticTaskRunner(accelerator="tpu-v5e-16", env=CPU_JAX, timeout_seconds=DEADLINE)
 
     @flow(task_runner=runner)
     def run() -> tuple[int, object, int]:
         future = host_0_fails_the_first_attempt.submit(str(marks))
         return future.result(), future.task_run_id, len(future.job_ids)
 
+    started = time.monotonic()
     total, task_run_id, pods = run()
 
+    assert time.monotonic() - started < DEADLINE  # the failed attempt ended at once
     assert (total, pods) == (1 + 2 + 3 + 4, 2)
     assert {p.name for p in marks.iterdir()} == EVERY_HOST_IN_ATTEMPTS_1_AND_2
     names = [s.name for s in _states(task_run_id)]  # type: ignore[attr-defined]
