@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import cloudpickle
@@ -53,9 +54,7 @@ class AttemptEnd:
         scheduled = self.state.state_details.scheduled_time
         if not self.retrying or not self.state.is_scheduled() or scheduled is None:
             return 0.0
-        from prefect.types._datetime import now
-
-        return max(0.0, (scheduled - now("UTC")).total_seconds())
+        return max(0.0, (scheduled - datetime.now(UTC)).total_seconds())
 
 
 def read_attempt_end(

@@ -127,12 +127,15 @@ def test_a_jax_array_argument_reaches_every_host_of_a_four_host_slice():
     assert result == {"shape": [4, 8], "sum": 28 * (1 + 2 + 3 + 4)}
 
 
-def run_host_0_failing_once(runner: KineticTaskRunner, marks: Path) -> dict[str, object]:
+def run_host_0_failing_once(
+    runner: KineticTaskRunner, marks: Path, retry_delay_seconds: float = 0
+) -> dict[str, object]:
     """What a flow running `host_0_fails_the_first_attempt` on a 4-host slice shows."""
+    failing = host_0_fails_the_first_attempt.with_options(retry_delay_seconds=retry_delay_seconds)
 
     @flow(task_runner=runner)
     def run() -> tuple[int, object, int]:
-        future = host_0_fails_the_first_attempt.submit(str(marks))
+        future = failing.submit(str(marks))
         return future.result(), future.task_run_id, len(future.job_ids)
 
     started = time.monotonic()
@@ -144,7 +147,7 @@ def run_host_0_failing_once(runner: KineticTaskRunner, marks: Path) -> dict[str,
         "total": total,
         "pods": pods,
         "marks": {p.name for p in marks.iterdir()},
-        "retry states": names.count("Retrying") + names.count("AwaitingRetry"),
+        "retry states": [n for n in names if n in ("Retrying", "AwaitingRetry")],
         "completed, failed": (names.count("Completed"), names.count("Failed")),
     }
 
@@ -155,7 +158,7 @@ THE_WHOLE_SLICE_RETRIED = {
     "total": 1 + 2 + 3 + 4,
     "pods": 2,
     "marks": EVERY_HOST_IN_ATTEMPTS_1_AND_2,
-    "retry states": 1,
+    "retry states": ["Retrying"],
     "completed, failed": (1, 0),
 }
 
@@ -168,6 +171,17 @@ def test_an_exception_on_host_0_retries_the_whole_slice_with_one_attempt_number(
     runner = KineticTaskRunner(accelerator="tpu-v5e-16", env=CPU_JAX, timeout_seconds=DEADLINE)
 
     assert run_host_0_failing_once(runner, marks) == THE_WHOLE_SLICE_RETRIED
+
+
+@pytest.mark.slow
+def test_a_slice_retry_with_a_delay_waits_as_awaiting_retry_then_relaunches_every_host(workdir):
+    marks = workdir / "marks"
+    marks.mkdir()
+    runner = KineticTaskRunner(accelerator="tpu-v5e-16", env=CPU_JAX, timeout_seconds=DEADLINE)
+
+    seen = run_host_0_failing_once(runner, marks, retry_delay_seconds=1)
+
+    assert seen == {**THE_WHOLE_SLICE_RETRIED, "retry states": ["AwaitingRetry"]}
 
 
 @pytest.mark.slow
