@@ -59,8 +59,8 @@ def coordinator_address() -> str:
 class JaxImportWatch(importlib.abc.MetaPathFinder):
     """Notes where JAX was first imported, while the slice is not yet connected.
 
-    It only watches: the import goes on as usual, and `first_import()` says
-    where it happened (the innermost frame outside the import machinery, and
+    It only watches: the import goes on as usual, and `stop()` says where it
+    happened (the innermost frame outside the import machinery, and
     the pod phase it happened in).
     """
 

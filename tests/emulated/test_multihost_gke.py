@@ -17,7 +17,7 @@ from tests.runner.test_multihost import (
     THE_WHOLE_SLICE_RETRIED,
     allgather_an_array_argument,
     gather_host_indices_and_pids,
-    run_host_0_failing_once,
+    run_a_host_failing_once,
 )
 from tests.support.kube_objects import Node
 from tests.support.waiting import wait_until
@@ -90,7 +90,7 @@ def test_an_exception_on_host_0_retries_the_whole_slice_on_gke(gke, cluster, wor
     marks.mkdir()
     runner = _runner(gke, accelerator="tpu-v5e-16", env=CPU_JAX, timeout_seconds=DEADLINE)
 
-    assert run_host_0_failing_once(runner, marks) == THE_WHOLE_SLICE_RETRIED
+    assert run_a_host_failing_once(runner, marks) == THE_WHOLE_SLICE_RETRIED
     assert len(cluster.created_jobs()) == 2
 
 

@@ -120,15 +120,15 @@ def _slice_host_0(coordinator: str) -> dict[str, str]:
 def test_a_slice_host_connects_before_unpickling_and_names_its_coordinator_when_it_cannot(
     tmp_path: Path,
 ):
-    env = _slice_host_0("127.0.0.1:notaport")
+    # No port: jax.distributed.initialize fails at once, in its own code.
+    env = _slice_host_0("127.0.0.1")
 
     code, record = _run_pod(tmp_path / "job", b"not a pickle", _zip({}), env=env)
 
     assert (code, record.phase) == (2, "distributed")
-    assert "host 0 of 2 could not join the slice (coordinator 127.0.0.1:notaport)" in (
+    assert "host 0 of 2 could not join the slice (coordinator 127.0.0.1): IndexError" in (
         record.message or ""
     )
-    assert "Failed to start RPC server" in (record.message or "")  # JAX's own reason
 
 
 def test_jax_imported_before_the_slice_is_connected_fails_naming_who_imported_it(

@@ -72,7 +72,7 @@ def allgather_an_array_argument(values: object) -> dict[str, object]:
 
 
 @task(retries=1)
-def host_0_fails_the_first_attempt(marks: str) -> int:
+def a_host_fails_the_first_attempt(marks: str, failing_host: int) -> int:
     import jax
     import jax.numpy as jnp
     from jax.experimental import multihost_utils
@@ -81,10 +81,10 @@ def host_0_fails_the_first_attempt(marks: str) -> int:
     host = jax.process_index()
     attempt = os.environ["KINETIC_ATTEMPT"]
     Path(marks, f"host {host} attempt {attempt} run {task_run.run_count}").touch()
-    # Every host has written its mark before host 0 raises.
+    # Every host has written its mark before one raises.
     multihost_utils.sync_global_devices("marked")
-    if host == 0 and attempt == "1":
-        raise RuntimeError("host 0 fails its first attempt")
+    if host == failing_host and attempt == "1":
+        raise RuntimeError(f"host {host} fails its first attempt")
     return int(multihost_utils.process_allgather(jnp.asarray(host + 1)).sum())
 
 
@@ -127,15 +127,15 @@ def test_a_jax_array_argument_reaches_every_host_of_a_four_host_slice():
     assert result == {"shape": [4, 8], "sum": 28 * (1 + 2 + 3 + 4)}
 
 
-def run_host_0_failing_once(
-    runner: KineticTaskRunner, marks: Path, retry_delay_seconds: float = 0
+def run_a_host_failing_once(
+    runner: KineticTaskRunner, marks: Path, failing_host: int = 0, retry_delay_seconds: float = 0
 ) -> dict[str, object]:
-    """What a flow running `host_0_fails_the_first_attempt` on a 4-host slice shows."""
-    failing = host_0_fails_the_first_attempt.with_options(retry_delay_seconds=retry_delay_seconds)
+    """What a flow running `a_host_fails_the_first_attempt` on a 4-host slice shows."""
+    failing = a_host_fails_the_first_attempt.with_options(retry_delay_seconds=retry_delay_seconds)
 
     @flow(task_runner=runner)
     def run() -> tuple[int, object, int]:
-        future = failing.submit(str(marks))
+        future = failing.submit(str(marks), failing_host)
         return future.result(), future.task_run_id, len(future.job_ids)
 
     started = time.monotonic()
@@ -170,7 +170,7 @@ def test_an_exception_on_host_0_retries_the_whole_slice_with_one_attempt_number(
     # test instead of hanging it.
     runner = KineticTaskRunner(accelerator="tpu-v5e-16", env=CPU_JAX, timeout_seconds=DEADLINE)
 
-    assert run_host_0_failing_once(runner, marks) == THE_WHOLE_SLICE_RETRIED
+    assert run_a_host_failing_once(runner, marks) == THE_WHOLE_SLICE_RETRIED
 
 
 @pytest.mark.slow
@@ -179,8 +179,19 @@ def test_a_slice_retry_with_a_delay_waits_as_awaiting_retry_then_relaunches_ever
     marks.mkdir()
     runner = KineticTaskRunner(accelerator="tpu-v5e-16", env=CPU_JAX, timeout_seconds=DEADLINE)
 
-    seen = run_host_0_failing_once(runner, marks, retry_delay_seconds=1)
+    seen = run_a_host_failing_once(runner, marks, retry_delay_seconds=1)
 
+    assert seen == {**THE_WHOLE_SLICE_RETRIED, "retry states": ["AwaitingRetry"]}
+
+
+def test_an_exception_on_another_host_ends_the_attempt_at_once_and_retries_the_slice(workdir):
+    marks = workdir / "marks"
+    marks.mkdir()
+    runner = KineticTaskRunner(accelerator="tpu-v5e-16", env=CPU_JAX, timeout_seconds=DEADLINE)
+
+    seen = run_a_host_failing_once(runner, marks, failing_host=2)
+
+    # Host 0 reported nothing: the runner records the retry of the lost attempt.
     assert seen == {**THE_WHOLE_SLICE_RETRIED, "retry states": ["AwaitingRetry"]}
 
 
