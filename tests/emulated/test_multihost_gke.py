@@ -86,11 +86,9 @@ def test_a_jax_array_argument_reaches_every_host_of_a_slice_on_gke(gke, cluster)
 
 def test_an_exception_on_host_0_retries_the_whole_slice_on_gke(gke, cluster, workdir):
     cluster.kubelet.nodes = _tpu_nodes(4)
-    marks = workdir / "marks"
-    marks.mkdir()
     runner = _runner(gke, accelerator="tpu-v5e-16", env=CPU_JAX, timeout_seconds=DEADLINE)
 
-    assert run_a_host_failing_once(runner, marks) == THE_WHOLE_SLICE_RETRIED
+    assert run_a_host_failing_once(runner, workdir) == THE_WHOLE_SLICE_RETRIED
     assert len(cluster.created_jobs()) == 2
 
 

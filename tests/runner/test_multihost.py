@@ -128,9 +128,11 @@ def test_a_jax_array_argument_reaches_every_host_of_a_four_host_slice():
 
 
 def run_a_host_failing_once(
-    runner: KineticTaskRunner, marks: Path, failing_host: int = 0, retry_delay_seconds: float = 0
+    runner: KineticTaskRunner, workdir: Path, failing_host: int = 0, retry_delay_seconds: float = 0
 ) -> dict[str, object]:
     """What a flow running `a_host_fails_the_first_attempt` on a 4-host slice shows."""
+    marks = workdir / "marks"
+    marks.mkdir()
     failing = a_host_fails_the_first_attempt.with_options(retry_delay_seconds=retry_delay_seconds)
 
     @flow(task_runner=runner)
@@ -163,33 +165,27 @@ THE_WHOLE_SLICE_RETRIED = {
 }
 
 
-def test_an_exception_on_host_0_retries_the_whole_slice_with_one_attempt_number(workdir):
-    marks = workdir / "marks"
-    marks.mkdir()
+def _slice_with_a_deadline() -> KineticTaskRunner:
     # A deadline, so that hosts stuck in mismatched collectives or in JAX's shutdown fail the
     # test instead of hanging it.
-    runner = KineticTaskRunner(accelerator="tpu-v5e-16", env=CPU_JAX, timeout_seconds=DEADLINE)
+    return KineticTaskRunner(accelerator="tpu-v5e-16", env=CPU_JAX, timeout_seconds=DEADLINE)
 
-    assert run_a_host_failing_once(runner, marks) == THE_WHOLE_SLICE_RETRIED
+
+def test_an_exception_on_host_0_retries_the_whole_slice_with_one_attempt_number(workdir):
+    seen = run_a_host_failing_once(_slice_with_a_deadline(), workdir)
+
+    assert seen == THE_WHOLE_SLICE_RETRIED
 
 
 @pytest.mark.slow
 def test_a_slice_retry_with_a_delay_waits_as_awaiting_retry_then_relaunches_every_host(workdir):
-    marks = workdir / "marks"
-    marks.mkdir()
-    runner = KineticTaskRunner(accelerator="tpu-v5e-16", env=CPU_JAX, timeout_seconds=DEADLINE)
-
-    seen = run_a_host_failing_once(runner, marks, retry_delay_seconds=1)
+    seen = run_a_host_failing_once(_slice_with_a_deadline(), workdir, retry_delay_seconds=1)
 
     assert seen == {**THE_WHOLE_SLICE_RETRIED, "retry states": ["AwaitingRetry"]}
 
 
 def test_an_exception_on_another_host_ends_the_attempt_at_once_and_retries_the_slice(workdir):
-    marks = workdir / "marks"
-    marks.mkdir()
-    runner = KineticTaskRunner(accelerator="tpu-v5e-16", env=CPU_JAX, timeout_seconds=DEADLINE)
-
-    seen = run_a_host_failing_once(runner, marks, failing_host=2)
+    seen = run_a_host_failing_once(_slice_with_a_deadline(), workdir, failing_host=2)
 
     # Host 0 reported nothing: the runner records the retry of the lost attempt.
     assert seen == {**THE_WHOLE_SLICE_RETRIED, "retry states": ["AwaitingRetry"]}
