@@ -5,8 +5,10 @@
 
 from __future__ import annotations
 
+from kinetic_prefect.pod import prefect_process
 from kinetic_prefect.pod import slice as slice_host
-from kinetic_prefect.pod.runner import parse_args, process_age, run_task
+from kinetic_prefect.pod.exit import flush_and_exit
+from kinetic_prefect.pod.runner import EXIT_COMPLETED, log, parse_args, process_age, run_task
 from kinetic_prefect.pod.warm import WarmLoop
 from kinetic_prefect.pod.watchdog import start_watchdog
 
@@ -21,4 +23,20 @@ def main(argv: list[str] | None = None) -> int:
     loop = WarmLoop.from_environ(hosts)
     if loop is not None:
         return loop.serve(run)
-    return run_task(run, index, hosts)[0]
+    code = run_task(run, index, hosts)[0]
+    if hosts > 1 and code != EXIT_COMPLETED:
+        leave_slice(code)
+    return code
+
+
+def leave_slice(code: int) -> None:
+    """End a slice host whose attempt is over without JAX's shutdown barrier.
+
+    At exit JAX shuts its distributed client down, which waits for every host
+    to do the same; the other hosts of a failed attempt may be blocked in a
+    collective and never get there. The task's logs and events are sent first,
+    as Prefect's own exit handlers would.
+    """
+    if not prefect_process.send_logs_and_events(prefect_process.TELEMETRY_SECONDS):
+        log(f"some logs or events did not reach the API in {prefect_process.TELEMETRY_SECONDS:g}s")
+    flush_and_exit(code)

@@ -2,7 +2,8 @@
 
 Rereading Prefect's settings after the environment changed (a pod forked from
 the local template), sending queued logs and events without exiting (a warm
-pod between tasks), and the result record a persisted result travels as. Each
+pod between tasks), the result record a persisted result travels as, and one
+attempt of the engine without its in-process retries (a slice's host 0). Each
 leans on Prefect internals; the tests named in each docstring fail if they change.
 """
 
@@ -74,3 +75,59 @@ def shippable_state(state: Any, task: Any) -> Any:
     ):
         return state.model_copy(update={"data": record.metadata})
     return state
+
+
+def run_one_attempt(
+    task: Any,
+    task_run: Any,
+    parameters: dict[str, Any],
+    wait_for: Any,
+    dependencies: Any,
+    context: dict[str, Any],
+    return_type: str = "state",
+) -> Any:
+    """One run of the task through Prefect's engine, stopping where the engine would retry.
+
+    `run_task_sync` / `run_task_async` loop while the task run is Running or
+    Scheduled: a retry runs the function again in this process. A slice host
+    must not (the other hosts are still in the failed attempt's collectives),
+    so the engine's loop runs once here: the engine records the retry state
+    (`Retrying`, or `AwaitingRetry` with a delay) and returns it, and the
+    runner relaunches every host. Returns the state (`return_type` is always
+    "state"). This drives the engine's own steps, as `run_task_sync` does;
+    `test_an_exception_on_host_0_retries_the_whole_slice_with_one_attempt_number`
+    fails if they change.
+    """
+    from prefect.task_engine import AsyncTaskRunEngine, SyncTaskRunEngine
+
+    engine_class = AsyncTaskRunEngine if task.isasync else SyncTaskRunEngine
+    engine: Any = engine_class(
+        task=task, parameters=parameters, task_run=task_run, wait_for=wait_for, context=context
+    )
+    if task.isasync:
+        import asyncio
+
+        return asyncio.run(_one_attempt_async(engine, dependencies))
+    with engine.start(task_run_id=None, dependencies=dependencies):
+        if engine.is_running():
+            engine.wait_until_ready()
+            with (
+                engine.asset_context(),
+                engine.run_context(),
+                engine.transaction_context() as transaction,
+            ):
+                engine.call_task_fn(transaction)
+    return engine.state
+
+
+async def _one_attempt_async(engine: Any, dependencies: Any) -> Any:
+    async with engine.start(task_run_id=None, dependencies=dependencies):
+        if engine.is_running():
+            await engine.wait_until_ready()
+            async with (
+                engine.asset_context(),
+                engine.run_context(),
+                engine.transaction_context() as transaction,
+            ):
+                await engine.call_task_fn(transaction)
+    return engine.state

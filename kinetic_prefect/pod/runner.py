@@ -1,5 +1,9 @@
 """The pod entrypoint: download → verify → extract → unpickle → data → environment → run → report.
 
+On a multi-host slice the hosts connect (`distributed`) right after extract,
+before anything can touch JAX: unpickling the arguments may build `jax.Array`s
+and import the task's module, and JAX cannot join a slice after that.
+
 Every failure before the task runs leaves `final-state.json` naming the phase
 and exits non-zero, so the orchestrator can say exactly what went wrong.
 """
@@ -79,10 +83,14 @@ class PodRun:
     code_root: str | None = None
     # A warm pod sends its task's logs and events before it reports the task's end.
     send_telemetry_before_report: bool = False
+    # A slice host: what imported JAX before the slice was connected, if anything did.
+    jax_imports: slice_host.JaxImportWatch | None = None
 
     @contextmanager
     def phase(self, name: str, hint: str = "") -> Iterator[None]:
         started = time.perf_counter()
+        if self.jax_imports is not None:
+            self.jax_imports.phase = name
         try:
             yield
         except (PhaseFailure, TaskRunAlreadyFinal):
@@ -229,8 +237,12 @@ def environment(run: PodRun) -> None:
             Path(output_dir).mkdir(parents=True, exist_ok=True)
 
 
-def execute(run: PodRun) -> Any:
-    """Run the task through Prefect's own engine and return its final state."""
+def execute(run: PodRun, hosts: int = 1) -> Any:
+    """Run the task through Prefect's own engine and return its final state.
+
+    On a slice the engine runs one attempt: a retry it decides on ends the pod
+    with the retry state, and the runner relaunches every host together.
+    """
     with run.phase("run", "the Prefect API may be unreachable from the pod; check PREFECT_API_URL"):
         from prefect.context import hydrated_context
         from prefect.engine import handle_engine_signals
@@ -257,6 +269,8 @@ def execute(run: PodRun) -> Any:
             if recorded is not None and recorded.is_final():
                 raise TaskRunAlreadyFinal(recorded)
             with handle_engine_signals(contents["task_run"].id):
+                if hosts > 1:
+                    return prefect_process.run_one_attempt(**kwargs)
                 if task.isasync:
                     import asyncio
 
@@ -276,15 +290,31 @@ def _recorded_state(task_run_id: Any) -> Any:
 
 
 def distributed(run: PodRun, index: int, hosts: int) -> None:
-    """On a multi-host slice: connect the hosts through jax.distributed before the task runs."""
+    """On a multi-host slice: connect the hosts through jax.distributed before anything uses JAX."""
     if hosts <= 1:
         return
-    with run.phase(
-        "distributed",
-        f"host {index} of {hosts} could not reach the slice's coordinator; the image needs "
-        "jax, and every host of the slice must be up (see the other hosts' logs)",
-    ):
-        slice_host.initialize_distributed(index, hosts)
+    with run.phase("distributed"):
+        early = run.jax_imports.stop() if run.jax_imports is not None else None
+        run.jax_imports = None
+        address = slice_host.coordinator_address()
+        where = f"host {index} of {hosts} could not join the slice (coordinator {address})"
+        if early is not None:
+            raise PhaseFailure(
+                "distributed",
+                f"{where}: JAX was imported before jax.distributed.initialize, {early}",
+                "nothing may import JAX before the pod connects the slice's hosts; if the image "
+                "imports it at interpreter start-up (sitecustomize, a .pth file), remove that",
+            )
+        try:
+            slice_host.initialize_distributed(index, hosts)
+        except Exception as exc:
+            raise PhaseFailure(
+                "distributed",
+                f"{where}: {type(exc).__name__}: {exc}",
+                "the image needs jax, and every host of the slice must be up and reach host 0 "
+                "at the coordinator's address (see each host's log: "
+                "`kinetic-prefect jobs logs JOB --host K`)",
+            ) from exc
 
 
 def run_other_host(run: PodRun, index: int) -> int:
@@ -399,17 +429,19 @@ def log(message: str) -> None:
 
 def run_task(run: PodRun, index: int, hosts: int) -> tuple[int, Any]:
     """One task run through every phase: the exit code, and the engine's state if it ran."""
+    if hosts > 1:
+        run.jax_imports = slice_host.JaxImportWatch.start()
     try:
         download(run)
         verify(run)
         extract(run)
+        distributed(run, index, hosts)
         unpickle(run)
         resolve_data(run)
         environment(run)
-        distributed(run, index, hosts)
         if index > 0:
             return run_other_host(run, index), None
-        state = execute(run)
+        state = execute(run, hosts)
         if run.send_telemetry_before_report and not prefect_process.send_telemetry():
             log(
                 "some logs or events did not reach the API in "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import cloudpickle
@@ -42,6 +43,18 @@ class AttemptEnd:
     state: State[Any]
     reported_by_pod: bool
     task_run: Any = None  # the pod's view of the task run (run count), when it reported
+
+    @property
+    def retrying(self) -> bool:
+        """The pod's engine ended its one attempt by recording a retry (a slice): relaunch it."""
+        return self.reported_by_pod and not self.state.is_final()
+
+    def retry_delay(self) -> float:
+        """Seconds until the retry the pod recorded is due (0 for an immediate `Retrying`)."""
+        scheduled = self.state.state_details.scheduled_time
+        if not self.retrying or not self.state.is_scheduled() or scheduled is None:
+            return 0.0
+        return max(0.0, (scheduled - datetime.now(UTC)).total_seconds())
 
 
 def read_attempt_end(

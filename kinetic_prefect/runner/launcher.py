@@ -7,7 +7,9 @@ turns the pod's report (or its silent death) into the future's state.
 
 Retries follow Prefect's engine: an exception inside the task is retried by the
 engine in the pod (so the task run's history is Prefect's own: no terminal
-state for an attempt that is retried). A pod that dies without reporting is
+state for an attempt that is retried). On a multi-host slice the engine runs
+one attempt and records the retry it decides on; the runner then relaunches
+every host, so all hosts are always in the same attempt. A pod that dies without reporting is
 the runner's business: while the task has retries left it is recorded as
 `AwaitingRetry` with the reason and relaunched for the same task run, with the
 same `KINETIC_OUTPUT_DIR`, so it resumes from its checkpoint.
@@ -199,7 +201,7 @@ class Launcher:
         payload = build_payload(
             {
                 # The engine in the pod retries exceptions with what is left of the budget.
-                "task": launch.task.with_options(retries=launch.retries_left),
+                "task": launch.task.with_options(retries=launch.engine_retries),
                 "task_run": launch.task_run,
                 "parameters": launch.parameters,
                 # Upstreams were resolved here already; the pod needs no futures.
@@ -296,6 +298,11 @@ class Launcher:
         if end.reported_by_pod:
             if end.task_run is not None:
                 launch.task_run = end.task_run
+            if end.retrying:
+                launch.runs_used += 1
+                note = f"Relaunching every host of the slice: {end.state.message or 'retry'}"
+                self.schedule_relaunch(launch, note, end.retry_delay(), recorded=True)
+                return
             launch.resolve(end.state)
             return
         launch.runs_used += 1
@@ -321,9 +328,13 @@ class Launcher:
         else:
             self.conclude(launch, end.state)
 
-    def schedule_relaunch(self, launch: TaskLaunch, note: str, delay: float) -> None:
-        """Record AwaitingRetry with the reason; wait out the delay without a pod."""
-        prefect_bridge.report_state(launch.task_run, prefect_bridge.awaiting_retry(delay, note))
+    def schedule_relaunch(
+        self, launch: TaskLaunch, note: str, delay: float, recorded: bool = False
+    ) -> None:
+        """Record AwaitingRetry with the reason (unless the pod `recorded` its retry state);
+        wait out the delay without a pod."""
+        if not recorded:
+            prefect_bridge.report_state(launch.task_run, prefect_bridge.awaiting_retry(delay, note))
         launch.job_ids.append(make_job_id(launch.task.name))
         logger.info(
             "Task run %s: %s; relaunching as %s in %.1fs",

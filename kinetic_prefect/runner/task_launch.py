@@ -69,6 +69,15 @@ class TaskLaunch:
         return max(0, (self.task.retries or 0) - used)
 
     @property
+    def engine_retries(self) -> int:
+        """The retries the next pod's engine may grant: the task's, less the runs already used.
+
+        Runs lost to preemption are not counted (they are retried on their own budget).
+        """
+        used = max(0, self.runs_used - self.preemptions)
+        return max(0, (self.task.retries or 0) - used)
+
+    @property
     def preemptions_left(self) -> int:
         return max(0, self.settings.preemption_retries - self.preemptions)
 
@@ -102,4 +111,6 @@ class AttemptHooks(Protocol):
 
     def conclude(self, launch: TaskLaunch, state: State[Any]) -> None: ...
 
-    def schedule_relaunch(self, launch: TaskLaunch, note: str, delay: float) -> None: ...
+    def schedule_relaunch(
+        self, launch: TaskLaunch, note: str, delay: float, recorded: bool = False
+    ) -> None: ...

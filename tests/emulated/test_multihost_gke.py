@@ -11,7 +11,14 @@ import pytest
 from prefect import flow, task
 
 from tests.emulated.test_kubernetes_backend import PENDING_TIMEOUT, _failed_run, _runner
-from tests.runner.test_multihost import CPU_JAX, gather_host_indices_and_pids
+from tests.runner.test_multihost import (
+    CPU_JAX,
+    DEADLINE,
+    THE_WHOLE_SLICE_RETRIED,
+    allgather_an_array_argument,
+    gather_host_indices_and_pids,
+    run_a_host_failing_once,
+)
 from tests.support.kube_objects import Node
 from tests.support.waiting import wait_until
 
@@ -63,6 +70,26 @@ def test_a_slice_is_created_in_the_documented_shape_and_runs_as_four_host_proces
     assert service["metadata"]["ownerReferences"][0]["name"] == job["metadata"]["name"]
     kubernetes_validate.validate(service, kubernetes_validate.latest_version(), strict=True)
     wait_until(lambda: cluster.services() == [], 30, "the slice's Service to be deleted")
+
+
+def test_a_jax_array_argument_reaches_every_host_of_a_slice_on_gke(gke, cluster):
+    import jax.numpy as jnp
+
+    cluster.kubelet.nodes = _tpu_nodes(4)
+
+    @flow(task_runner=_runner(gke, accelerator="tpu-v5e-16", env=CPU_JAX))
+    def run() -> dict[str, object]:
+        return allgather_an_array_argument.submit(jnp.arange(8)).result()
+
+    assert run() == {"shape": [4, 8], "sum": 28 * (1 + 2 + 3 + 4)}
+
+
+def test_an_exception_on_host_0_retries_the_whole_slice_on_gke(gke, cluster, workdir):
+    cluster.kubelet.nodes = _tpu_nodes(4)
+    runner = _runner(gke, accelerator="tpu-v5e-16", env=CPU_JAX, timeout_seconds=DEADLINE)
+
+    assert run_a_host_failing_once(runner, workdir) == THE_WHOLE_SLICE_RETRIED
+    assert len(cluster.created_jobs()) == 2
 
 
 @pytest.mark.slow

@@ -97,6 +97,27 @@ print(json.dumps(values))
 
 
 @pytest.mark.slow
+@task(retries=1)
+def killed_then_raising() -> None:
+    if task_run.run_count == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise RuntimeError("the retry fails too")
+
+
+def test_a_killed_pod_and_a_failing_relaunch_run_the_task_once_per_retry():
+    @flow(task_runner=KineticTaskRunner())
+    def run() -> tuple[str, object]:
+        future = killed_then_raising.submit()
+        future.wait()
+        return future.state.type.value, future.task_run_id
+
+    state, task_run_id = run()
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_run(task_run_id).run_count  # type: ignore[arg-type]
+    assert (state, runs) == ("FAILED", 2)
+
+
 def test_results_are_prefect_records_in_the_bucket_readable_by_a_plain_prefect_process(
     gcs, prefect_api
 ):

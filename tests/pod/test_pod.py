@@ -106,3 +106,62 @@ def test_unreadable_payload_fails_in_the_download_phase(tmp_path: Path):
 
     assert (result.returncode, record.phase) == (2, "download")
     assert "Failed during download" in result.stderr.decode()
+
+
+def _slice_host_0(coordinator: str) -> dict[str, str]:
+    return {
+        "KINETIC_SLICE_HOSTS": "2",
+        "TPU_WORKER_ID": "0",
+        "JAX_COORDINATOR_ADDRESS": coordinator,
+        "JAX_PLATFORMS": "cpu",
+    }
+
+
+def test_a_slice_host_connects_before_unpickling_and_names_its_coordinator_when_it_cannot(
+    tmp_path: Path,
+):
+    # No port: jax.distributed.initialize fails at once, in its own code.
+    env = _slice_host_0("127.0.0.1")
+
+    code, record = _run_pod(tmp_path / "job", b"not a pickle", _zip({}), env=env)
+
+    assert (code, record.phase) == (2, "distributed")
+    assert "host 0 of 2 could not join the slice (coordinator 127.0.0.1): IndexError" in (
+        record.message or ""
+    )
+
+
+def test_jax_imported_before_the_slice_is_connected_fails_naming_who_imported_it(
+    tmp_path: Path,
+):
+    startup = tmp_path / "startup"
+    startup.mkdir()
+    (startup / "sitecustomize.py").write_text("import jax\n")
+    env = {**_slice_host_0("127.0.0.1:8482"), "PYTHONPATH": str(startup)}
+
+    code, record = _run_pod(tmp_path / "job", b"not a pickle", _zip({}), env=env)
+
+    assert (code, record.phase) == (2, "distributed")
+    assert "JAX was imported before jax.distributed.initialize" in (record.message or "")
+    assert "the interpreter's start-up imported it: sitecustomize" in (record.message or "")
+
+
+def test_the_jax_import_watch_names_the_phase_file_and_line_that_imported_jax(tmp_path: Path):
+    (tmp_path / "trains.py").write_text("import os\nimport jax.numpy\n")
+    script = (
+        "from kinetic_prefect.pod.slice import JaxImportWatch\n"
+        "watch = JaxImportWatch.start()\n"
+        "watch.phase = 'unpickle'\n"
+        "import trains\n"
+        "print(watch.stop())\n"
+    )
+
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path), "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+    assert f"during the pod's unpickle phase, at {tmp_path / 'trains.py'}:2" in result.stdout

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from kinetic_prefect.outputs.checkpoint import checkpoint_manager, output_dir
 pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
 
 CPU_JAX = {"JAX_PLATFORMS": "cpu"}
+DEADLINE = 120
 
 
 @task
@@ -58,10 +60,47 @@ def count_to_ten_losing_host_2_at_step_6() -> tuple[int, str]:
     return start, output_dir()
 
 
-def _state_types(task_run_id: object) -> list[str]:
+@task
+async def allgather_an_array_argument(values: object) -> dict[str, object]:
+    """Async, so that host 0's one-attempt engine is the async one."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import multihost_utils
+
+    # Each host scales the argument by its own rank: the sum proves every host took part.
+    gathered = multihost_utils.process_allgather(jnp.asarray(values) * (jax.process_index() + 1))
+    return {"shape": list(gathered.shape), "sum": int(gathered.sum())}
+
+
+@task(retries=1)
+def a_host_fails_the_first_attempt(marks: str, failing_host: int) -> int:
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import multihost_utils
+    from prefect.runtime import task_run
+
+    host = jax.process_index()
+    attempt = os.environ["KINETIC_ATTEMPT"]
+    Path(marks, f"host {host} attempt {attempt} run {task_run.run_count}").touch()
+    # Every host has written its mark before one raises.
+    multihost_utils.sync_global_devices("marked")
+    if host == failing_host and attempt == "1":
+        raise RuntimeError(f"host {host} fails its first attempt")
+    return int(multihost_utils.process_allgather(jnp.asarray(host + 1)).sum())
+
+
+# Each host's attempt (KINETIC_ATTEMPT) and Prefect run count, as the hosts saw them.
+EVERY_HOST_IN_ATTEMPTS_1_AND_2 = {f"host {h} attempt {a} run {a}" for h in range(4) for a in (1, 2)}
+
+
+def _states(task_run_id: object) -> list[object]:
     with get_client(sync_client=True) as client:
         states = client.read_task_run_states(task_run_id)  # type: ignore[arg-type]
-    return [s.type.value for s in states]
+    return sorted(states, key=lambda s: s.timestamp)
+
+
+def _state_types(task_run_id: object) -> list[str]:
+    return [s.type.value for s in _states(task_run_id)]  # type: ignore[attr-defined]
 
 
 def test_a_four_host_slice_sums_every_hosts_index_and_host_0_reports_once():
@@ -75,6 +114,82 @@ def test_a_four_host_slice_sums_every_hosts_index_and_host_0_reports_once():
     assert (result["total"], result["processes"], result["reporter"]) == (0 + 1 + 2 + 3, 4, 0)
     assert len(set(result["pids"])) == 4  # type: ignore[arg-type]
     assert _state_types(task_run_id).count("COMPLETED") == 1
+
+
+def test_a_jax_array_argument_reaches_every_host_of_a_four_host_slice():
+    import jax.numpy as jnp
+
+    @flow(task_runner=KineticTaskRunner(accelerator="tpu-v5e-16", env=CPU_JAX))
+    def run() -> dict[str, object]:
+        return allgather_an_array_argument.submit(jnp.arange(8)).result()
+
+    result = run()
+
+    assert result == {"shape": [4, 8], "sum": 28 * (1 + 2 + 3 + 4)}
+
+
+def run_a_host_failing_once(
+    runner: KineticTaskRunner, workdir: Path, failing_host: int = 0, retry_delay_seconds: float = 0
+) -> dict[str, object]:
+    """What a flow running `a_host_fails_the_first_attempt` on a 4-host slice shows."""
+    marks = workdir / "marks"
+    marks.mkdir()
+    failing = a_host_fails_the_first_attempt.with_options(retry_delay_seconds=retry_delay_seconds)
+
+    @flow(task_runner=runner)
+    def run() -> tuple[int, object, int]:
+        future = failing.submit(str(marks), failing_host)
+        return future.result(), future.task_run_id, len(future.job_ids)
+
+    started = time.monotonic()
+    total, task_run_id, pods = run()
+    elapsed = time.monotonic() - started
+    names = [s.name for s in _states(task_run_id)]  # type: ignore[attr-defined]
+    return {
+        "ended before the deadline": elapsed < DEADLINE,
+        "total": total,
+        "pods": pods,
+        "marks": {p.name for p in marks.iterdir()},
+        "retry states": [n for n in names if n in ("Retrying", "AwaitingRetry")],
+        "completed, failed": (names.count("Completed"), names.count("Failed")),
+    }
+
+
+# Both attempts on every host, the retry recorded once, no Failed, the hosts' sum.
+THE_WHOLE_SLICE_RETRIED = {
+    "ended before the deadline": True,
+    "total": 1 + 2 + 3 + 4,
+    "pods": 2,
+    "marks": EVERY_HOST_IN_ATTEMPTS_1_AND_2,
+    "retry states": ["Retrying"],
+    "completed, failed": (1, 0),
+}
+
+
+def _slice_with_a_deadline() -> KineticTaskRunner:
+    # A deadline, so that hosts stuck in mismatched collectives or in JAX's shutdown fail the
+    # test instead of hanging it.
+    return KineticTaskRunner(accelerator="tpu-v5e-16", env=CPU_JAX, timeout_seconds=DEADLINE)
+
+
+def test_an_exception_on_host_0_retries_the_whole_slice_with_one_attempt_number(workdir):
+    seen = run_a_host_failing_once(_slice_with_a_deadline(), workdir)
+
+    assert seen == THE_WHOLE_SLICE_RETRIED
+
+
+@pytest.mark.slow
+def test_a_slice_retry_with_a_delay_waits_as_awaiting_retry_then_relaunches_every_host(workdir):
+    seen = run_a_host_failing_once(_slice_with_a_deadline(), workdir, retry_delay_seconds=1)
+
+    assert seen == {**THE_WHOLE_SLICE_RETRIED, "retry states": ["AwaitingRetry"]}
+
+
+def test_an_exception_on_another_host_ends_the_attempt_at_once_and_retries_the_slice(workdir):
+    seen = run_a_host_failing_once(_slice_with_a_deadline(), workdir, failing_host=2)
+
+    # Host 0 reported nothing: the runner records the retry of the lost attempt.
+    assert seen == {**THE_WHOLE_SLICE_RETRIED, "retry states": ["AwaitingRetry"]}
 
 
 @pytest.mark.slow
