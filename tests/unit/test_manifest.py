@@ -177,3 +177,41 @@ def test_the_pods_grace_and_its_emergency_checkpoint_window_fit_gkes_spot_notice
     assert (
         float(env["KINETIC_TERMINATION_GRACE_SECONDS"]) <= pod["terminationGracePeriodSeconds"] - 5
     )
+
+
+class _RecordingBackend:
+    """Takes the builder Job's manifest and ends it at once, as a finished pod would."""
+
+    def __init__(self) -> None:
+        self.manifests: list[dict] = []
+
+    def launch(self, manifest: dict, on_exit: object, secrets: object) -> None:
+        from kinetic_prefect.backends.base import PodExit
+
+        self.manifests.append(manifest)
+        on_exit(PodExit(job_id=manifest["metadata"]["name"], exit_code=0))  # type: ignore[operator]
+
+
+def test_builder_jobs_request_cpu_and_memory_and_take_the_pod_overrides():
+    from kinetic_prefect.backends.environments import cluster_builder
+    from kinetic_prefect.launch.environment import EnvironmentPlan
+    from kinetic_prefect.launch.settings import resolve_settings
+
+    toleration = {"key": "team", "operator": "Exists", "effect": "NoSchedule"}
+    settings = resolve_settings(
+        runner={
+            "backend": "gke",
+            "jobs_root": "gs://jobs",
+            "pod_overrides": {"tolerations": [toleration]},
+        },
+        environ={},
+    )
+    backend = _RecordingBackend()
+    plan = EnvironmentPlan("k" * 64, "3.11", "linux_x86_64", ("six==1.16.0",), (), None, "test")
+
+    cluster_builder(settings, backend)(plan, "gs://jobs/spec.json", "gs://jobs/env")  # type: ignore[arg-type]
+
+    (manifest,) = backend.manifests
+    kubernetes_validate.validate(manifest, kubernetes_validate.latest_version(), strict=True)
+    assert _resources(manifest)["requests"] == {"cpu": "1", "memory": "2Gi"}
+    assert manifest["spec"]["template"]["spec"]["tolerations"] == [toleration]
