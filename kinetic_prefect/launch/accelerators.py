@@ -2,8 +2,13 @@
 
 An accelerator spec is a short, case-insensitive string such as ``"cpu"``, ``"l4x2"``,
 ``"a100-80gbx4"``, ``"tpu-v5e-4"`` or ``"v6e-16:spot"``. :func:`parse_accelerator`
-turns it into an :class:`Accelerator` carrying the node selectors, resource limits and
-tolerations a pod needs to land on matching GKE nodes.
+turns it into an :class:`Accelerator` carrying the node selectors, resource limits,
+tolerations and machine type (whence its default cpu and memory requests) a pod needs to
+land on matching GKE nodes.
+
+TPU names are Cloud TPU's accelerator types (``tpu-v5p-8`` is Cloud TPU's ``v5p-8``: 8
+TensorCores, 4 chips, one host); a topology (``tpu-v5p-2x2x1``) names the same slice.
+docs/kubernetes.md has the table and its sources.
 
 Example:
     >>> acc = parse_accelerator("tpu-v5e-4")
@@ -26,6 +31,7 @@ __all__ = [
     "catalogue",
     "machine_type",
     "parse_accelerator",
+    "parse_quantity",
     "tpu_aliases",
 ]
 
@@ -178,6 +184,19 @@ class MachineType:
             self.memory_gib * 1024 - _memory_reserved_mib(self.memory_gib)
         )
 
+    def refuse_larger_requests(self, requests: dict[str, str], accelerator: str) -> None:
+        """Raise if `requests` ask for more cpu or memory than this machine gives pods."""
+        cpu, memory = self.allocatable()
+        for key, most in (("cpu", cpu / 1000), ("memory", memory * 2**20)):
+            if key in requests and parse_quantity(requests[key]) > most:
+                shown = f"{cpu}m" if key == "cpu" else f"{memory}Mi"
+                raise ValueError(
+                    f"{key}={requests[key]} is more than a {self.name} node of {accelerator} "
+                    f"gives its pods ({shown}): the pod would never be scheduled. Ask for "
+                    f"at most {shown}, or leave {key} unset for the default "
+                    f"({self.default_requests()[key]})."
+                )
+
     def default_requests(self) -> dict[str, str]:
         """``{"cpu": ..., "memory": ...}`` for a pod that owns the node."""
         cpu, memory = self.allocatable()
@@ -262,6 +281,30 @@ _MACHINES: dict[str, MachineType] = {
         MachineType("tpu7x-standard-4t", 224, 960),
     )
 }
+
+# A Kubernetes quantity: a decimal number, then an SI or binary suffix or an exponent
+# (https://kubernetes.io/docs/reference/kubernetes-api/common-definitions/quantity/).
+_QUANTITY = re.compile(
+    r"(?P<number>\d+(?:\.\d*)?|\.\d+)(?P<suffix>[eE][-+]?\d+|[mkMGTPE]|[KMGTPE]i)?"
+)
+_SUFFIXES = {"m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18}
+_SUFFIXES.update({f"{p}i": 2.0 ** (10 * (i + 1)) for i, p in enumerate("KMGTPE")})
+
+
+def parse_quantity(value: str) -> float:
+    """A Kubernetes quantity as a number (cores, bytes): ``"500m"`` -> 0.5, ``"1Ki"`` -> 1024.
+
+    Raises:
+        ValueError: `value` is not a quantity.
+    """
+    match = _QUANTITY.fullmatch(str(value).strip())
+    if match is None:
+        raise ValueError(f"{value!r} is not a Kubernetes quantity")
+    suffix = match["suffix"] or ""
+    if suffix[:1] in "eE" and suffix:
+        return float(match["number"] + suffix)
+    return float(match["number"]) * _SUFFIXES.get(suffix, 1.0)
+
 
 # A pod without an accelerator (tasks on cpu, builder Jobs, flow-run pods).
 CPU_REQUESTS = {"cpu": "1", "memory": "2Gi"}
@@ -621,8 +664,9 @@ def parse_accelerator(spec: str, *, spot: bool | None = None) -> Accelerator:
     """Parse an accelerator spec such as ``"l4x2"``, ``"tpu-v5e-4"`` or ``"v6e-8:spot"``.
 
     Parsing ignores case and surrounding whitespace; the ``tpu-``/``gpu-`` prefixes are
-    optional, ``v5litepod`` is accepted for ``v5e`` and GKE GPU labels (``nvidia-l4``)
-    for the short GPU names. A ``:spot`` suffix requests Spot VMs; ``spot=True`` or
+    optional, Cloud TPU's names (``v5litepod-16``, ``v5p-8``) and topologies
+    (``v5p-2x2x1``) are accepted for TPUs and GKE GPU labels (``nvidia-l4``) for the short
+    GPU names. A ``:spot`` suffix requests Spot VMs; ``spot=True`` or
     ``spot=False`` overrides the suffix, ``spot=None`` keeps it.
 
     Raises:

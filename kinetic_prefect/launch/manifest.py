@@ -21,7 +21,8 @@ from kinetic_prefect.common.env import (
     POD_TERMINATION_GRACE_SECONDS,
     TERMINATION_GRACE_ENV,
 )
-from kinetic_prefect.launch.accelerators import Accelerator
+from kinetic_prefect.errors import ConfigurationError
+from kinetic_prefect.launch.accelerators import Accelerator, machine_type
 from kinetic_prefect.launch.environment import ShippedEnvironment, bootstrap_command
 from kinetic_prefect.launch.pod_overrides import apply_pod_overrides
 
@@ -204,6 +205,14 @@ def resources_of(spec: LaunchSpec) -> dict[str, dict[str, str]]:
         requests["cpu"] = spec.cpu
     if spec.memory is not None:
         requests["memory"] = spec.memory
+    if accelerator.kind == "tpu" and accelerator.machine_type is not None:
+        # A TPU's machine type is fixed (GPUs come on machines of several sizes).
+        try:
+            machine_type(accelerator.machine_type).refuse_larger_requests(
+                requests, accelerator.name
+            )
+        except ValueError as exc:
+            raise ConfigurationError(str(exc)) from None
     limits = accelerator.resource_limits
     resources = {"requests": {**requests, **limits}}
     if limits:

@@ -12,7 +12,6 @@ import contextvars
 import dataclasses
 import json
 import os
-import re
 import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from types import MappingProxyType
 from typing import Any
 
 from kinetic_prefect.errors import ConfigurationError
+from kinetic_prefect.launch.accelerators import parse_quantity
 from kinetic_prefect.launch.pod_overrides import check_pod_overrides
 from kinetic_prefect.launch.pod_secrets import SecretValue, env_value
 
@@ -306,18 +306,14 @@ def _validate(settings: LaunchSettings) -> None:
             raise ConfigurationError(f"Invalid environment variable name {key!r} in env=.")
 
 
-# A Kubernetes resource quantity: a decimal number, then an optional SI or binary suffix.
-_QUANTITY = re.compile(r"(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+|m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?")
-
-
 def _check_quantity(name: str, value: str | None, example: str) -> None:
     if value is None:
         return
-    if (
-        not isinstance(value, str)
-        or not _QUANTITY.fullmatch(value.strip())
-        or not any(c in "123456789" for c in value.split("e")[0].split("E")[0])
-    ):
+    try:
+        positive = parse_quantity(value) > 0
+    except ValueError:
+        positive = False
+    if not positive:
         raise ConfigurationError(
             f"{name}={value!r} is not a Kubernetes quantity above zero; use e.g. {example} "
             "(https://kubernetes.io/docs/reference/kubernetes-api/common-definitions/quantity/)."

@@ -81,24 +81,16 @@ def gke_nodes(pool: str, accelerator: str, count: int, spot: bool = False) -> li
     ]
 
 
-def _quantity(value: str, unit: float) -> float:
-    """A Kubernetes quantity in `unit`s (1e-3 for millicores, 2**20 for MiB)."""
-    suffixes = {"m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
-    suffixes.update(Ki=2**10, Mi=2**20, Gi=2**30, Ti=2**40)
-    for suffix in sorted(suffixes, key=len, reverse=True):
-        if value.endswith(suffix):
-            return float(value.removesuffix(suffix)) * suffixes[suffix] / unit
-    return float(value) / unit
-
-
 def _short_of(node: Node, requests: dict[str, str]) -> list[str]:
     """The resources of `requests` that `node` cannot give one pod."""
+    from kinetic_prefect.launch.accelerators import parse_quantity
+
     short = []
     for resource, amount in requests.items():
         if resource == "cpu":
-            enough = _quantity(amount, 1e-3) <= node.cpu_millicores
+            enough = parse_quantity(amount) * 1000 <= node.cpu_millicores
         elif resource == "memory":
-            enough = _quantity(amount, 2**20) <= node.memory_mib
+            enough = parse_quantity(amount) <= node.memory_mib * 2**20
         else:
             enough = node.allocatable.get(resource, 0) >= int(amount)
         if not enough:

@@ -8,6 +8,7 @@ import re
 import kubernetes_validate
 import pytest
 
+from kinetic_prefect.errors import ConfigurationError
 from kinetic_prefect.launch.accelerators import parse_accelerator
 from kinetic_prefect.launch.manifest import (
     LaunchSpec,
@@ -215,3 +216,8 @@ def test_builder_jobs_request_cpu_and_memory_and_take_the_pod_overrides():
     kubernetes_validate.validate(manifest, kubernetes_validate.latest_version(), strict=True)
     assert _resources(manifest)["requests"] == {"cpu": "1", "memory": "2Gi"}
     assert manifest["spec"]["template"]["spec"]["tolerations"] == [toleration]
+
+
+def test_more_cpu_than_a_tpu_machine_gives_pods_is_refused_naming_the_most_it_can_have():
+    with pytest.raises(ConfigurationError, match=r"cpu=200 is more than a ct5lp-hightpu-4t node"):
+        build_job_manifest(_spec("tpu-v5e-4", cpu="200"))
