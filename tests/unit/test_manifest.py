@@ -8,6 +8,7 @@ import re
 import kubernetes_validate
 import pytest
 
+from kinetic_prefect.common.env import emergency_window_seconds
 from kinetic_prefect.errors import ConfigurationError
 from kinetic_prefect.launch.accelerators import parse_accelerator
 from kinetic_prefect.launch.manifest import (
@@ -178,6 +179,8 @@ def test_the_pods_grace_and_its_emergency_checkpoint_window_fit_gkes_spot_notice
     assert (
         float(env["KINETIC_TERMINATION_GRACE_SECONDS"]) <= pod["terminationGracePeriodSeconds"] - 5
     )
+    # A pod without the variable (an older manifest) falls back within the notice too.
+    assert emergency_window_seconds({}) <= GKE_SPOT_POD_GRACE_SECONDS - 5
 
 
 class _RecordingBackend:
