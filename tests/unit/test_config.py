@@ -120,3 +120,14 @@ def test_cpu_and_memory_come_from_the_runner_the_block_or_kinetic_variables():
 def test_a_cpu_or_memory_that_is_no_kubernetes_quantity_is_refused(setting: str, value: str):
     with pytest.raises(ConfigurationError, match=f"{setting}=.*Kubernetes quantity"):
         resolve_settings(runner={setting: value}, environ={})
+
+
+def test_a_cluster_blocks_cpu_memory_and_pod_overrides_are_settings():
+    from kinetic_prefect.blocks import KineticCluster, cluster_settings
+
+    block = KineticCluster(cpu="4", memory="16Gi", pod_overrides={"priorityClassName": "batch"})
+
+    settings = resolve_settings(block=cluster_settings(block), environ={})
+
+    assert (settings.cpu, settings.memory) == ("4", "16Gi")
+    assert settings.pod_overrides == {"priorityClassName": "batch"}
