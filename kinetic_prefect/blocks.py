@@ -184,6 +184,22 @@ class KineticCluster(Block):
         description="Where shipped environments are kept (gs://bucket[/prefix]); the jobs "
         "bucket when unset. Pods must be able to read it.",
     )
+    cpu: str | None = Field(
+        default=None,
+        description="CPU request of every pod, a Kubernetes quantity (8, 500m); default: what "
+        "the accelerator's machine leaves to pods, 1 for cpu.",
+    )
+    memory: str | None = Field(
+        default=None,
+        description="Memory request of every pod, a Kubernetes quantity (64Gi); default: what "
+        "the accelerator's machine leaves to pods, 2Gi for cpu.",
+    )
+    pod_overrides: dict[str, Any] | None = Field(
+        default=None,
+        description="PodSpec fields merged into every pod's spec: tolerations, "
+        "priorityClassName, imagePullSecrets, volumes, a reservation's nodeSelector "
+        "(docs/kubernetes.md has the merge rule).",
+    )
     env: dict[str, str] = Field(
         default_factory=dict,
         description="Environment variables for every pod launched with this cluster; a "
@@ -230,5 +246,8 @@ def cluster_settings(cluster: KineticCluster) -> dict[str, Any]:
         "package_index_url": cluster.package_index_url,
         "environment_store": cluster.environment_store,
         "accelerator_extras": cluster.accelerator_extras,
+        "cpu": cluster.cpu,
+        "memory": cluster.memory,
+        "pod_overrides": cluster.pod_overrides,
         "env": dict(cluster.env),
     }

@@ -66,6 +66,9 @@ def cluster_builder(settings: LaunchSettings, backend: Backend) -> ClusterBuilde
             ttl_seconds_after_finished=settings.ttl_seconds_after_finished,
             service_account=settings.service_account,
             command=tuple(builder_command(spec_uri, destination)),
+            # The task's tolerations, pull secrets, ... apply to its builder too; its cpu
+            # and memory do not (a builder is a cpu pod).
+            pod_overrides=settings.pod_overrides,
         )
         ended = threading.Event()
         outcome: list[PodExit] = []

@@ -65,32 +65,42 @@ def accelerators(
 
     Example: kinetic-prefect accelerators --kind gpu
     """
-    from kinetic_prefect.launch.accelerators import catalogue
+    from kinetic_prefect.launch.accelerators import catalogue, tpu_aliases
 
     table = Table(
         title="Accelerators",
         caption=f"Node selector keys without a domain are under {_GKE_PREFIX}",
     )
     table.add_column("name", no_wrap=True)
+    table.add_column("also", no_wrap=True)
     table.add_column("kind", no_wrap=True)
     table.add_column("chips/GPUs\nper host", justify="right", no_wrap=True)
     table.add_column("hosts", justify="right", no_wrap=True)
+    table.add_column("machine type", no_wrap=True)
     # Fold rather than truncate so no value is hidden in narrow terminals.
     table.add_column("node selector(s)", overflow="fold")
     table.add_column("resource limit", no_wrap=True)
+    table.add_column("default requests", no_wrap=True)
     for acc in catalogue():
         if kind is not None and acc.kind != kind.value:
             continue
         table.add_row(
             acc.name,
+            "\n".join(tpu_aliases(acc)) if acc.kind == "tpu" else "-",
             acc.kind,
             str(acc.count) if acc.count else "-",
             str(acc.hosts),
+            acc.machine_type or "-",
             _pairs(acc.node_selector),
             _pairs(acc.resource_limits),
+            _pairs(acc.default_requests),
         )
     _console().print(table)
     typer.echo("Append ':spot' to any name (e.g. 'l4x2:spot') to run on Spot VMs.")
+    typer.echo(
+        "TPU names are Cloud TPU's: v3, v4, v5p and tpu7x count TensorCores (2 per chip), "
+        "v5e and v6e chips; a topology (tpu-v5p-2x2x1) names a slice too."
+    )
 
 
 # -- jobs --------------------------------------------------------------------------------------

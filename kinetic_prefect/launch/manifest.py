@@ -13,13 +13,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kinetic_prefect.common.env import (
+    EMERGENCY_WINDOW_SECONDS,
     ENV_CACHE_ENV,
     JOB_ID_ENV,
     OUTPUT_DIR_ENV,
     POD_ACCELERATOR_ENV,
+    POD_TERMINATION_GRACE_SECONDS,
+    TERMINATION_GRACE_ENV,
 )
-from kinetic_prefect.launch.accelerators import Accelerator
+from kinetic_prefect.errors import ConfigurationError
+from kinetic_prefect.launch.accelerators import Accelerator, machine_type
 from kinetic_prefect.launch.environment import ShippedEnvironment, bootstrap_command
+from kinetic_prefect.launch.pod_overrides import apply_pod_overrides
 
 MANAGED_BY = "kinetic-prefect"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
@@ -129,6 +134,11 @@ class LaunchSpec:
     extra_labels: Mapping[str, str] = field(default_factory=dict)
     # The task's shipped environment: the container runs the bootstrap, which unpacks it.
     environment: ShippedEnvironment | None = None
+    # Requests that replace the accelerator's defaults (Kubernetes quantities).
+    cpu: str | None = None
+    memory: str | None = None
+    # Merged into the pod spec (`kinetic_prefect.launch.pod_overrides`).
+    pod_overrides: Mapping[str, Any] | None = None
 
     def labels(self) -> dict[str, str]:
         labels = {**self.extra_labels, LABEL_MANAGED_BY: MANAGED_BY, LABEL_JOB_ID: self.job_id}
@@ -163,6 +173,7 @@ def _env_list(spec: LaunchSpec) -> list[dict[str, Any]]:
         # The pod's own accelerator, for the task to read; deliberately not the
         # KINETIC_ACCELERATOR setting, so runners inside the pod do not inherit it.
         POD_ACCELERATOR_ENV: spec.accelerator.name,
+        TERMINATION_GRACE_ENV: str(EMERGENCY_WINDOW_SECONDS),
     }
     secret_names = {ref.env_name for ref in spec.secret_env}
     env: list[dict[str, Any]] = [
@@ -180,8 +191,37 @@ def _env_list(spec: LaunchSpec) -> list[dict[str, Any]]:
     return env
 
 
+def resources_of(spec: LaunchSpec) -> dict[str, dict[str, str]]:
+    """The task container's resources: cpu and memory requests, accelerator limits.
+
+    Every pod has requests (never BestEffort): the accelerator's defaults (most of its
+    machine; a small share for cpu) unless `cpu=`/`memory=` say otherwise. GPUs and
+    TPUs are extended resources, which Kubernetes takes from `limits` (requests must
+    equal them).
+    """
+    accelerator = spec.accelerator
+    requests = accelerator.default_requests
+    if spec.cpu is not None:
+        requests["cpu"] = spec.cpu
+    if spec.memory is not None:
+        requests["memory"] = spec.memory
+    if accelerator.kind == "tpu" and accelerator.machine_type is not None:
+        # A TPU's machine type is fixed (GPUs come on machines of several sizes).
+        try:
+            machine_type(accelerator.machine_type).refuse_larger_requests(
+                requests, accelerator.name
+            )
+        except ValueError as exc:
+            raise ConfigurationError(str(exc)) from None
+    limits = accelerator.resource_limits
+    resources = {"requests": {**requests, **limits}}
+    if limits:
+        resources["limits"] = dict(limits)
+    return resources
+
+
 def build_job_manifest(spec: LaunchSpec) -> dict[str, Any]:
-    """The batch/v1 Job for `spec`.
+    """The batch/v1 Job for `spec`, its `pod_overrides` merged in.
 
     Retries belong to Prefect, so Kubernetes never restarts or re-creates the pod
     (`restartPolicy: Never`, `backoffLimit: 0`).
@@ -192,6 +232,18 @@ def build_job_manifest(spec: LaunchSpec) -> dict[str, Any]:
         assert manifest["spec"]["backoffLimit"] == 0
         ```
     """
+    return with_pod_overrides(base_job_manifest(spec), spec)
+
+
+def with_pod_overrides(job: dict[str, Any], spec: LaunchSpec) -> dict[str, Any]:
+    """`job` with `spec.pod_overrides` merged into its pod spec."""
+    template = job["spec"]["template"]
+    template["spec"] = apply_pod_overrides(template["spec"], spec.pod_overrides, CONTAINER_NAME)
+    return job
+
+
+def base_job_manifest(spec: LaunchSpec) -> dict[str, Any]:
+    """The batch/v1 Job for `spec` before its `pod_overrides` (see `build_job_manifest`)."""
     accelerator = spec.accelerator
     command = list(spec.command) if spec.command else ["python", "-m", POD_MODULE]
     args = [] if spec.command else pod_args(spec)
@@ -212,12 +264,12 @@ def build_job_manifest(spec: LaunchSpec) -> dict[str, Any]:
         "args": args,
         "env": env,
     }
-    limits = accelerator.resource_limits
-    if limits:
-        container["resources"] = {"limits": dict(limits), "requests": dict(limits)}
+    container["resources"] = resources_of(spec)
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "containers": [container],
+        # Within the share of a Spot VM's notice GKE gives pods (common/env.py).
+        "terminationGracePeriodSeconds": POD_TERMINATION_GRACE_SECONDS,
     }
     if accelerator.node_selector:
         pod_spec["nodeSelector"] = dict(accelerator.node_selector)

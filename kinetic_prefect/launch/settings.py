@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import json
 import os
 import sys
 from collections.abc import Iterator, Mapping
@@ -19,6 +20,8 @@ from types import MappingProxyType
 from typing import Any
 
 from kinetic_prefect.errors import ConfigurationError
+from kinetic_prefect.launch.accelerators import parse_quantity
+from kinetic_prefect.launch.pod_overrides import check_pod_overrides
 from kinetic_prefect.launch.pod_secrets import SecretValue, env_value
 
 BACKENDS = ("local", "gke")
@@ -77,6 +80,13 @@ class LaunchSettings:
     # Where shipped environments are kept (`env-cache/` below it): the jobs store unless set,
     # e.g. one bucket for every team's jobs buckets.
     environment_store: str | None = None
+    # The pod's cpu and memory requests (Kubernetes quantities: "8", "500m", "64Gi");
+    # None: the accelerator's default, most of its machine (docs/kubernetes.md).
+    cpu: str | None = None
+    memory: str | None = None
+    # Merged into the pod spec: tolerations, priorityClassName, volumes, ...
+    # (`kinetic_prefect.launch.pod_overrides`). Layers combine key by key.
+    pod_overrides: Mapping[str, Any] = field(default_factory=dict)
 
     def resolved_jobs_root(self) -> str:
         """Where `kinetic/{job_id}/…` artifacts live: a `gs://bucket[/prefix]` or a local dir."""
@@ -142,6 +152,10 @@ _ENV_PARSERS: dict[str, Any] = {
     "package_index_url": str,
     "environment_store": str,
     "accelerator_extras": lambda v: tuple(p.strip() for p in v.split(",") if p.strip()),
+    "cpu": str,
+    "memory": str,
+    # A JSON object.
+    "pod_overrides": json.loads,
 }
 # The saved `KineticCluster` a runner without `cluster=` uses (`KINETIC_CLUSTER=gke`).
 CLUSTER_ENV = "KINETIC_CLUSTER"
@@ -238,6 +252,7 @@ def resolve_settings(
     ]
     merged: dict[str, Any] = {}
     env: dict[str, str | SecretValue] = {}
+    pod_overrides: dict[str, Any] = {}
     for layer in layers:
         _check_names(layer, "settings")
         for key, value in layer.items():
@@ -245,9 +260,15 @@ def resolve_settings(
                 continue
             if key == "env":
                 env.update({str(k): env_value(str(k), v) for k, v in dict(value).items()})
+            elif key == "pod_overrides":
+                pod_overrides.update(check_pod_overrides(value))
             else:
                 merged[key] = value
     merged["env"] = env
+    merged["pod_overrides"] = pod_overrides
+    for key in ("cpu", "memory"):
+        if isinstance(merged.get(key), int | float) and not isinstance(merged[key], bool):
+            merged[key] = f"{merged[key]:g}"
     for key in ("requirements", "accelerator_extras"):
         if isinstance(merged.get(key), list | tuple):
             merged[key] = tuple(str(item) for item in merged[key])
@@ -281,9 +302,25 @@ def _validate(settings: LaunchSettings) -> None:
         )
     _check_warm_idle(settings)
     _check_environment(settings)
+    _check_quantity("cpu", settings.cpu, "8 or 500m")
+    _check_quantity("memory", settings.memory, "64Gi or 512Mi")
     for key in settings.env:
         if not key or "=" in key:
             raise ConfigurationError(f"Invalid environment variable name {key!r} in env=.")
+
+
+def _check_quantity(name: str, value: str | None, example: str) -> None:
+    if value is None:
+        return
+    try:
+        positive = parse_quantity(value) > 0
+    except ValueError:
+        positive = False
+    if not positive:
+        raise ConfigurationError(
+            f"{name}={value!r} is not a Kubernetes quantity above zero; use e.g. {example} "
+            "(https://kubernetes.io/docs/reference/kubernetes-api/common-definitions/quantity/)."
+        )
 
 
 def _check_warm_idle(settings: LaunchSettings) -> None:

@@ -4,8 +4,8 @@ A slice such as ``tpu-v5e-16`` is 4 hosts of 4 chips. GKE schedules it as an
 Indexed Job of one pod per host (``completions = parallelism = hosts``,
 ``completionMode: Indexed``) whose pods find each other through a headless
 Service named by the pods' ``subdomain``: host K is ``{job}-{K}.{service}``.
-Each pod asks for the chips of one host and the slice's topology, so GKE places
-the N pods on the N nodes of one TPU slice node pool.
+Each pod asks for the chips of one host and the slice's topology, and an affinity
+(`one_node_pool`) pins the N pods to the N nodes of one TPU slice node pool.
 
 :func:`build_workload` returns that shape for a multi-host accelerator and exactly
 :func:`~kinetic_prefect.launch.manifest.build_job_manifest`'s single Job otherwise.
@@ -43,8 +43,10 @@ from kinetic_prefect.launch.accelerators import Accelerator
 from kinetic_prefect.launch.manifest import (
     LABEL_JOB_ID,
     LaunchSpec,
+    base_job_manifest,
     build_job_manifest,
     container_of,
+    with_pod_overrides,
 )
 
 # The pod annotation the Job controller sets to the pod's completion index.
@@ -55,6 +57,10 @@ COMPLETION_INDEX_ENV = "JOB_COMPLETION_INDEX"
 COORDINATOR_PORT = 8482
 # Caps or overrides how many host processes the local backend runs for a slice.
 LOCAL_HOSTS_ENV = "KINETIC_LOCAL_HOSTS"
+# On every pod of a multi-host slice: its Job's name. The slice's pods attract each
+# other and repel other slices' pods within one node pool.
+LABEL_SLICE = "kinetic-prefect.io/slice"
+NODE_POOL_LABEL = "cloud.google.com/gke-nodepool"
 
 
 @dataclass(frozen=True)
@@ -96,14 +102,16 @@ def hostnames(job_id: str, hosts: int) -> list[str]:
 
 def build_workload(spec: LaunchSpec) -> Workload:
     """The Job (and for a multi-host slice the headless Service) for `spec`."""
-    job = build_job_manifest(spec)
     hosts = spec.accelerator.hosts
     if hosts <= 1:
-        return Workload(job)
+        return Workload(build_job_manifest(spec))
+    job = base_job_manifest(spec)
     job_spec = job["spec"]
     job_spec.update(completions=hosts, parallelism=hosts, completionMode="Indexed")
+    job_spec["template"]["metadata"]["labels"][LABEL_SLICE] = spec.job_id
     pod_spec = job_spec["template"]["spec"]
     pod_spec["subdomain"] = service_name(spec.job_id)
+    pod_spec["affinity"] = one_node_pool(spec.job_id)
     names = hostnames(spec.job_id, hosts)
     slice_env: list[dict[str, Any]] = [
         {"name": SLICE_HOSTS_ENV, "value": str(hosts)},
@@ -119,6 +127,7 @@ def build_workload(spec: LaunchSpec) -> Workload:
     container = container_of(job)
     taken = {item["name"] for item in slice_env}
     container["env"] = [e for e in container["env"] if e["name"] not in taken] + slice_env
+    job = with_pod_overrides(job, spec)
     service = {
         "apiVersion": "v1",
         "kind": "Service",
@@ -135,6 +144,40 @@ def build_workload(spec: LaunchSpec) -> Workload:
         },
     }
     return Workload(job, service)
+
+
+def one_node_pool(job_id: str) -> dict[str, Any]:
+    """The affinity that puts every host of a slice in one node pool, alone.
+
+    GKE makes one multi-host TPU slice of each node pool: hosts in two pools are not
+    one slice (their chips share no interconnect). The hosts require each other's pool
+    (podAffinity on the slice's own label, topology key the node pool) and shun pools
+    where another slice runs (podAntiAffinity), as JobSet's exclusive placement does
+    (https://jobset.sigs.k8s.io/docs/concepts/#exclusive-job-placement-per-topology-domain).
+    """
+    return {
+        "podAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": [
+                {
+                    "labelSelector": {"matchLabels": {LABEL_SLICE: job_id}},
+                    "topologyKey": NODE_POOL_LABEL,
+                }
+            ]
+        },
+        "podAntiAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": [
+                {
+                    "labelSelector": {
+                        "matchExpressions": [
+                            {"key": LABEL_SLICE, "operator": "Exists"},
+                            {"key": LABEL_SLICE, "operator": "NotIn", "values": [job_id]},
+                        ]
+                    },
+                    "topologyKey": NODE_POOL_LABEL,
+                }
+            ]
+        },
+    }
 
 
 def refuse_for_flow_runs(accelerator: Accelerator) -> None:

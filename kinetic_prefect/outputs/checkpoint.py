@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kinetic_prefect.common.env import OUTPUT_DIR_ENV, TERMINATION_GRACE_ENV
+from kinetic_prefect.common.env import OUTPUT_DIR_ENV, emergency_window_seconds
 from kinetic_prefect.errors import CheckpointError
 
 LOCAL_FALLBACK_ROOT = Path(".kinetic") / "outputs" / "local"
@@ -80,7 +80,8 @@ def checkpoint_manager(
     does not end the pod at once: the next `save()` is written even off its
     interval, waited for, and then the pod ends as preempted, so the relaunched pod
     resumes from that step. Without a save within `KINETIC_TERMINATION_GRACE_SECONDS`
-    (default 25, inside Kubernetes' 30 s grace) the pod ends anyway.
+    (default 10, inside the 15 s GKE gives a pod on a reclaimed Spot VM) the pod ends
+    anyway.
 
     Example:
         ```python
@@ -113,7 +114,7 @@ def _leave_as_preempted() -> None:
 
 def _save_then_leave_on_sigterm(manager: Any) -> None:
     requested = threading.Event()
-    grace = float(os.environ.get(TERMINATION_GRACE_ENV, "25"))
+    grace = emergency_window_seconds(os.environ)
 
     def on_sigterm(signum: int, frame: Any) -> None:
         requested.set()

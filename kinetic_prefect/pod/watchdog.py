@@ -22,7 +22,7 @@ from kinetic_prefect.common.env import (
     FLOW_RUN_ID_ENV,
     LEASE_URI_ENV,
     ORPHAN_TIMEOUT_ENV,
-    TERMINATION_GRACE_ENV,
+    emergency_window_seconds,
 )
 
 
@@ -60,7 +60,7 @@ def orphan_reason(lease_uri: str, timeout: float, flow_run_id: str, started: flo
 def _end_pod(reason: str) -> None:
     sys.stderr.write(f"kinetic-prefect pod: ending, nobody owns this pod: {reason}\n")
     sys.stderr.flush()
-    grace = float(os.environ.get(TERMINATION_GRACE_ENV, "25"))
+    grace = emergency_window_seconds(os.environ)
     killer = threading.Timer(grace, os.kill, args=(os.getpid(), signal.SIGKILL))
     killer.daemon = True
     killer.start()

@@ -188,6 +188,9 @@ class Launcher:
             data_volumes=launch.data_volumes,
             extra_labels=identity_labels(launch),
             environment=environment,
+            cpu=settings.cpu,
+            memory=settings.memory,
+            pod_overrides=settings.pod_overrides,
         )
         if self.resources.warm_pods.take(launch, spec, backend, store, secrets, self):
             return

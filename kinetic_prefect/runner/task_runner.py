@@ -131,6 +131,10 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
             scratch dir. Multi-host slices are never warm. See docs/warm-pods.md.
         warm_pod_idle_seconds: how long an idle warm pod waits for its next task run
             (default 60). On GKE an idle pod keeps its node and accelerator, which cost money.
+        cpu, memory: the pod's requests as Kubernetes quantities (`"8"`, `"64Gi"`); by
+            default what the accelerator's machine leaves to pods (docs/kubernetes.md).
+        pod_overrides: PodSpec fields merged into the pod spec (tolerations,
+            `priorityClassName`, `imagePullSecrets`, volumes...); docs/kubernetes.md has the rule.
         **settings: any other setting of `kinetic_prefect.launch.settings.LaunchSettings`.
 
     Retries: an exception in the task is retried by Prefect's engine inside the

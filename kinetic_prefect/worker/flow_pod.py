@@ -45,6 +45,9 @@ class FlowPodJob(Protocol):
     image: str | None
     timeout_seconds: int | None
     namespace: str | None
+    cpu: str | None
+    memory: str | None
+    pod_overrides: dict[str, Any] | None
     flow_service_account: str
     name: str | None
     command: str | None
@@ -152,6 +155,9 @@ def flow_pod_settings(configuration: FlowPodJob, cluster: Any = None) -> LaunchS
             "container_image": configuration.image,
             "timeout_seconds": configuration.timeout_seconds,
             "namespace": configuration.namespace,
+            "cpu": configuration.cpu,
+            "memory": configuration.memory,
+            "pod_overrides": configuration.pod_overrides,
         },
         block=block,
     )
@@ -204,5 +210,8 @@ def plan_flow_pod(flow_run: FlowRun, configuration: FlowPodJob, cluster: Any = N
         automount_service_account_token=True,
         command=tuple(shlex.split(configuration.command or FLOW_RUN_COMMAND)),
         extra_labels=configuration.user_labels,
+        cpu=settings.cpu,
+        memory=settings.memory,
+        pod_overrides=settings.pod_overrides,
     )
     return FlowPodPlan(settings, spec, build_job_manifest(spec), secrets)

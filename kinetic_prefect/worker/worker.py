@@ -90,6 +90,18 @@ _CLUSTER_HELP = (
 )
 _TIMEOUT_HELP = "Deadline of the flow-run pod in seconds (activeDeadlineSeconds)."
 _NAMESPACE_HELP = "Kubernetes namespace of the flow-run Job. Default: the cluster's, else default."
+_CPU_HELP = (
+    "CPU request of the flow-run pod, a Kubernetes quantity (8, 500m). Default: the cluster's, "
+    "else what the accelerator's machine leaves to pods (1 for cpu)."
+)
+_MEMORY_HELP = (
+    "Memory request of the flow-run pod, a Kubernetes quantity (64Gi, 512Mi). Default: the "
+    "cluster's, else what the accelerator's machine leaves to pods (2Gi for cpu)."
+)
+_POD_OVERRIDES_HELP = (
+    "PodSpec fields merged into the flow-run pod's spec (tolerations, priorityClassName, "
+    "imagePullSecrets, volumes, ...); see docs/kubernetes.md for the merge rule."
+)
 _FLOW_SERVICE_ACCOUNT_HELP = (
     "Kubernetes service account of the flow-run pod, with its token mounted: it launches the "
     "flow's task pods, so it needs the kinetic-prefect-runner Role of deployments/k8s/rbac.yaml. "
@@ -106,6 +118,9 @@ class _KineticPodFields(BaseModel):
     cluster: str | None = Field(default=None, description=_CLUSTER_HELP)
     timeout_seconds: int | None = Field(default=None, gt=0, description=_TIMEOUT_HELP)
     namespace: str | None = Field(default=None, description=_NAMESPACE_HELP)
+    cpu: str | None = Field(default=None, description=_CPU_HELP)
+    memory: str | None = Field(default=None, description=_MEMORY_HELP)
+    pod_overrides: dict[str, Any] | None = Field(default=None, description=_POD_OVERRIDES_HELP)
     flow_service_account: str = Field(
         default=RUNNER_SERVICE_ACCOUNT, min_length=1, description=_FLOW_SERVICE_ACCOUNT_HELP
     )

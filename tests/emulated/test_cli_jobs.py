@@ -35,7 +35,7 @@ from kinetic_prefect.launch.manifest import (
 from kinetic_prefect.launch.slices import build_workload, host_index
 from tests.emulated.test_multihost_gke import _tpu_nodes
 from tests.support.kube import KubeCluster, running_cluster
-from tests.support.kube_objects import Node
+from tests.support.kube_objects import gke_nodes
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.usefixtures("workdir")
@@ -352,8 +352,8 @@ def test_doctor_fails_a_loopback_prefect_api_for_the_gke_backend(gke_block):
 def test_doctor_counts_the_nodes_that_offer_the_accelerator(gke_block, cluster, monkeypatch):
     monkeypatch.setenv("KINETIC_ALLOW_LOOPBACK_API", "true")
     cluster.kubelet.nodes = [
-        Node("gpu-1", {"cloud.google.com/gke-accelerator": "nvidia-l4"}, {"nvidia.com/gpu": 1}),
-        Node("cpu-1"),
+        *gke_nodes("l4-pool", "l4", 1),
+        *gke_nodes("default-pool", "cpu", 1),
     ]
     cluster.publish_nodes()
 

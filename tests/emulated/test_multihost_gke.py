@@ -19,7 +19,7 @@ from tests.runner.test_multihost import (
     gather_host_indices_and_pids,
     run_a_host_failing_once,
 )
-from tests.support.kube_objects import Node
+from tests.support.kube_objects import NODE_POOL_LABEL, Node, gke_nodes
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
@@ -30,8 +30,8 @@ V5E_16 = {
 }
 
 
-def _tpu_nodes(count: int) -> list[Node]:
-    return [Node(f"tpu-{i}", dict(V5E_16), {"google.com/tpu": 4}) for i in range(count)]
+def _tpu_nodes(count: int, pool: str = "v5e-16") -> list[Node]:
+    return gke_nodes(pool, "tpu-v5e-16", count)
 
 
 @task
@@ -127,3 +127,37 @@ def test_a_slice_without_enough_tpu_nodes_fails_naming_its_size_and_topology(gke
     assert "the 4-host slice tpu-v5e-16 (topology 4x4) needs 4 nodes" in message
     assert time.monotonic() - started < PENDING_TIMEOUT + 15
     wait_until(lambda: cluster.jobs() == [] and cluster.services() == [], 30, "all deleted")
+
+
+def test_a_slice_split_over_two_node_pools_is_not_scheduled(gke, cluster):
+    # Four nodes of the right shape, but two pools: no pool is one whole slice.
+    cluster.kubelet.nodes = [*_tpu_nodes(2, "pool-a"), *_tpu_nodes(2, "pool-b")]
+    runner = _runner(
+        gke, accelerator="tpu-v5e-16", env=CPU_JAX, pending_timeout_seconds=PENDING_TIMEOUT
+    )
+
+    state, message, _ = _failed_run(runner)
+
+    assert state == "FAILED"
+    assert "didn't match pod affinity rules" in message
+    assert "a TPU slice node pool of topology 4x4 with 4 free nodes" in message
+    wait_until(lambda: cluster.jobs() == [] and cluster.services() == [], 30, "all deleted")
+
+
+@pytest.mark.slow
+def test_a_slices_hosts_land_on_the_nodes_of_one_node_pool(gke, cluster):
+    # The pool listed first is too small: the hosts go to the whole one, all of them.
+    cluster.kubelet.nodes = [*_tpu_nodes(2, "too-small"), *_tpu_nodes(4, "whole")]
+
+    @flow(task_runner=_runner(gke, accelerator="tpu-v5e-16", env=CPU_JAX))
+    def run() -> dict[str, object]:
+        return gather_host_indices_and_pids.submit().result()
+
+    result = run()
+
+    pods = cluster.created("pods")
+    nodes = {node.name: node for node in cluster.kubelet.nodes}
+    assert result["processes"] == 4
+    assert len(pods) == 4
+    assert {nodes[p["spec"]["nodeName"]].labels[NODE_POOL_LABEL] for p in pods} == {"whole"}
+    assert len({p["spec"]["nodeName"] for p in pods}) == 4

@@ -98,12 +98,11 @@ def test_on_gke_pods_preempted_twice_by_the_node_use_no_retries_and_fall_back_to
     gke, cluster
 ):
     from tests.emulated.test_kubernetes_backend import _runner
-    from tests.support.kube_objects import Node
+    from tests.support.kube_objects import gke_nodes
 
-    l4 = {"cloud.google.com/gke-accelerator": "nvidia-l4"}
     cluster.kubelet.nodes = [
-        Node("spot-l4", {**l4, "cloud.google.com/gke-spot": "true"}, {"nvidia.com/gpu": 1}),
-        Node("on-demand-l4", l4, {"nvidia.com/gpu": 1}),
+        *gke_nodes("spot-l4", "l4", 1, spot=True),
+        *gke_nodes("on-demand-l4", "l4", 1),
     ]
     cluster.kubelet.fault, cluster.kubelet.fault_pods_left = "preempt", 2
 

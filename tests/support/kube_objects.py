@@ -20,21 +20,91 @@ def now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+NODE_POOL_LABEL = "cloud.google.com/gke-nodepool"
+INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
+# What GKE leaves to pods on an e2-standard-8 (8 vCPU, 32 GiB): cpu-only nodes.
+_DEFAULT_CPU_MILLICORES = 7910
+_DEFAULT_MEMORY_MIB = 28360
+
+
 @dataclass
 class Node:
-    """A node the kubelet's scheduler can place pods on."""
+    """A node the kubelet's scheduler can place pods on.
+
+    `allocatable` holds extended resources (google.com/tpu, nvidia.com/gpu); cpu and
+    memory are `cpu_millicores` and `memory_mib`. Pods do not use them up: the scheduler
+    only checks that one pod fits.
+    """
 
     name: str = "node-1"
     labels: dict[str, str] = field(default_factory=dict)
     allocatable: dict[str, int] = field(default_factory=dict)
+    cpu_millicores: int = _DEFAULT_CPU_MILLICORES
+    memory_mib: int = _DEFAULT_MEMORY_MIB
 
     def as_object(self) -> dict[str, Any]:
+        allocatable = {k: str(v) for k, v in self.allocatable.items()}
+        allocatable.update(cpu=f"{self.cpu_millicores}m", memory=f"{self.memory_mib}Mi")
         return {
             "apiVersion": "v1",
             "kind": "Node",
             "metadata": {"name": self.name, "labels": self.labels},
-            "status": {"allocatable": {k: str(v) for k, v in self.allocatable.items()}},
+            "status": {"allocatable": allocatable},
         }
+
+    @property
+    def pool(self) -> str | None:
+        return self.labels.get(NODE_POOL_LABEL)
+
+
+def gke_nodes(pool: str, accelerator: str, count: int, spot: bool = False) -> list[Node]:
+    """`count` nodes of a GKE node pool for `accelerator`, labelled as GKE labels them.
+
+    The accelerator's node labels (gke-tpu-accelerator and gke-tpu-topology, or
+    gke-accelerator), the pool's name and machine type, and the machine's allocatable
+    capacity (https://cloud.google.com/kubernetes-engine/docs/concepts/plan-node-sizes).
+    """
+    from kinetic_prefect.launch.accelerators import machine_type, parse_accelerator
+
+    acc = parse_accelerator(accelerator, spot=spot)
+    labels = {**acc.node_selector, NODE_POOL_LABEL: pool}
+    extended: dict[str, int] = {}
+    cpu, memory = _DEFAULT_CPU_MILLICORES, _DEFAULT_MEMORY_MIB
+    if acc.machine_type is not None:
+        labels[INSTANCE_TYPE_LABEL] = acc.machine_type
+        cpu, memory = machine_type(acc.machine_type).allocatable()
+        extended = {k: int(v) for k, v in acc.resource_limits.items()}
+    if acc.kind == "gpu":
+        labels["cloud.google.com/gke-accelerator-count"] = str(acc.count)
+    return [
+        Node(f"gke-{pool}-{index}", dict(labels), dict(extended), cpu, memory)
+        for index in range(count)
+    ]
+
+
+def _short_of(node: Node, requests: dict[str, str]) -> list[str]:
+    """The resources of `requests` that `node` cannot give one pod."""
+    from kinetic_prefect.launch.accelerators import parse_quantity
+
+    short = []
+    for resource, amount in requests.items():
+        if resource == "cpu":
+            enough = parse_quantity(amount) * 1000 <= node.cpu_millicores
+        elif resource == "memory":
+            enough = parse_quantity(amount) <= node.memory_mib * 2**20
+        else:
+            enough = node.allocatable.get(resource, 0) >= int(amount)
+        if not enough:
+            short.append(resource)
+    return short
+
+
+def _affinity_key(pod_spec: dict[str, Any]) -> str | None:
+    """The topology key of the pod's required pod affinity (a slice's node pool), if any."""
+    terms = ((pod_spec.get("affinity") or {}).get("podAffinity") or {}).get(
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ) or []
+    return terms[0]["topologyKey"] if terms else None
 
 
 def unschedulable_message(nodes: list[Node], pod_spec: dict[str, Any], pods: int = 1) -> str | None:
@@ -44,7 +114,7 @@ def unschedulable_message(nodes: list[Node], pod_spec: dict[str, Any], pods: int
     when fewer nodes than pods fit.
     """
     selector = pod_spec.get("nodeSelector") or {}
-    limits = (pod_spec["containers"][0].get("resources") or {}).get("limits") or {}
+    requests = (pod_spec["containers"][0].get("resources") or {}).get("requests") or {}
     total = len(nodes)
     matching = [n for n in nodes if all(n.labels.get(k) == v for k, v in selector.items())]
     if not matching:
@@ -53,14 +123,18 @@ def unschedulable_message(nodes: list[Node], pod_spec: dict[str, Any], pods: int
             f"affinity/selector. preemption: 0/{total} nodes are available: {total} "
             "Preemption is not helpful for scheduling."
         )
-    for resource, amount in limits.items():
-        if "/" in resource and not any(
-            n.allocatable.get(resource, 0) >= int(amount) for n in matching
-        ):
-            return f"0/{total} nodes are available: {len(matching)} Insufficient {resource}."
+    shortages = [_short_of(n, requests) for n in matching]
+    if all(shortages):
+        counts = ", ".join(
+            f"{sum(r in short for short in shortages)} Insufficient {r}"
+            for r in requests
+            if any(r in short for short in shortages)
+        )
+        return f"0/{total} nodes are available: {counts}."
     if pods > len(matching):
         others = total - len(matching)
-        resources = ", ".join(f"{len(matching)} Insufficient {r}" for r in limits if "/" in r)
+        extended = [r for r in requests if "/" in r]
+        resources = ", ".join(f"{len(matching)} Insufficient {r}" for r in extended)
         return (
             f"0/{total} nodes are available: {resources}, {others} node(s) didn't match "
             f"Pod's node affinity/selector. preemption: 0/{total} nodes are available: "
@@ -69,10 +143,53 @@ def unschedulable_message(nodes: list[Node], pod_spec: dict[str, Any], pods: int
     return None
 
 
+def place(
+    nodes: list[Node], pod_spec: dict[str, Any], pods: int, busy_pools: set[str]
+) -> list[Node] | str:
+    """One node per pod, or the scheduler's message when they do not all fit.
+
+    With a required pod affinity on the node pool (a slice's), all pods go to one pool
+    that no other slice uses (the slice's anti-affinity), as the scheduler would place
+    them; otherwise to any fitting nodes.
+    """
+    message = unschedulable_message(nodes, pod_spec, pods)
+    if message:
+        return message
+    selector = pod_spec.get("nodeSelector") or {}
+    requests = (pod_spec["containers"][0].get("resources") or {}).get("requests") or {}
+    fitting = [
+        n
+        for n in nodes
+        if all(n.labels.get(k) == v for k, v in selector.items()) and not _short_of(n, requests)
+    ]
+    key = _affinity_key(pod_spec)
+    if key is None:
+        return fitting[:pods]
+    pools: dict[str, list[Node]] = {}
+    for node in fitting:
+        pools.setdefault(node.labels.get(key, ""), []).append(node)
+    for pool, members in pools.items():
+        if pool and pool not in busy_pools and len(members) >= pods:
+            return members[:pods]
+    total = len(nodes)
+    return (
+        f"0/{total} nodes are available: {len(fitting)} node(s) didn't match pod affinity "
+        f"rules, {len(fitting)} node(s) didn't match pod anti-affinity rules. preemption: "
+        f"0/{total} nodes are available: {total} Preemption is not helpful for scheduling."
+    )
+
+
 def pod_of_job(
-    job: dict[str, Any], name: str, namespace: str, index: int | None = None
+    job: dict[str, Any],
+    name: str,
+    namespace: str,
+    index: int | None = None,
+    node_name: str | None = None,
 ) -> dict[str, Any]:
-    """The pod the Job controller creates from the Job's template (`index`: of an Indexed Job)."""
+    """The pod the Job controller creates from the Job's template (`index`: of an Indexed Job).
+
+    `node_name`: the node the scheduler bound it to.
+    """
     job_name = job["metadata"]["name"]
     template = job["spec"]["template"]
     annotations = dict(template["metadata"].get("annotations") or {})
@@ -80,6 +197,8 @@ def pod_of_job(
     if index is not None:
         annotations["batch.kubernetes.io/job-completion-index"] = str(index)
         spec["hostname"] = f"{job_name}-{index}"
+    if node_name is not None:
+        spec["nodeName"] = node_name
     labels = {
         **(template["metadata"].get("labels") or {}),
         "batch.kubernetes.io/job-name": job_name,

@@ -53,6 +53,7 @@ from tests.support.kube_objects import (
     Node,
     failed_create_event,
     finished_job_status,
+    place,
     pod_of_job,
     quota_refusal,
     running_status,
@@ -87,6 +88,10 @@ class _Pod:
     terminating: bool = False
     # One pod per host for an Indexed Job (a multi-host slice); `name` is host 0's.
     names: list[str] = field(default_factory=list)
+    # The nodes its pods are bound to, one per pod, until it ends.
+    nodes: list[Node] = field(default_factory=list)
+    # Where the scheduler put its pods when they were created, or why it could not.
+    placement: list[Node] | str | None = None
 
 
 class Kubelet:
@@ -138,6 +143,21 @@ class Kubelet:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._ttl_timers: dict[str, asyncio.Task[Any]] = {}
+
+    def _busy_pools(self) -> set[str]:
+        """Node pools a running slice holds: another slice's anti-affinity keeps out of them."""
+        return {
+            node.pool
+            for pod in self._pods.values()
+            if len(pod.names) > 1
+            for node in pod.nodes
+            if node.pool
+        }
+
+    def bound_nodes(self, job_name: str) -> list[Node]:
+        """The nodes the scheduler bound a Job's pods to (empty once it ended)."""
+        pod = self._pods.get(job_name)
+        return list(pod.nodes) if pod is not None else []
 
     def interpreter(self, manifest: dict[str, Any]) -> str:
         """The Python of the pod's image: a test image's, else a stock image's bare one."""
@@ -260,8 +280,11 @@ class Kubelet:
         if self.quota_exceeded:
             return quota_refusal(pod.name)
         slice_hosts = len(pod.names) if len(pod.names) > 1 else None
+        spec = pod.job["spec"]["template"]["spec"]
+        pod.placement = place(self.nodes, spec, len(pod.names), self._busy_pools())
         for index, name in enumerate(pod.names):
-            body = pod_of_job(pod.job, name, pod.namespace, index if slice_hosts else None)
+            node = pod.placement[index].name if isinstance(pod.placement, list) else None
+            body = pod_of_job(pod.job, name, pod.namespace, index if slice_hosts else None, node)
             path = f"/api/v1/namespaces/{pod.namespace}/pods"
             assert self._session is not None
             async with self._session.post(path, json=body) as response:
@@ -276,16 +299,17 @@ class Kubelet:
         job = pod.job
         job_name = job["metadata"]["name"]
         template = job["spec"]["template"]
-        unschedulable = unschedulable_message(self.nodes, template["spec"], len(pod.names))
-        if unschedulable:
+        placed = pod.placement
+        if isinstance(placed, str):
             # One pod per node: the pods past the nodes that fit stay unschedulable.
             fit = sum(unschedulable_message([n], template["spec"]) is None for n in self.nodes)
             await self._pod_status(
                 pod,
-                unschedulable_status(unschedulable),
+                unschedulable_status(placed),
                 pod.names[min(fit, len(pod.names) - 1) :],
             )
             return
+        pod.nodes = placed
         image = template["spec"]["containers"][0]["image"]
         if image in self.missing_images:
             for reason, message in (
@@ -360,6 +384,7 @@ class Kubelet:
         image = pod.job["spec"]["template"]["spec"]["containers"][0]["image"]
         job_name = pod.job["metadata"]["name"]
         self.finished_at[job_name] = time.time()
+        pod.nodes = []
         codes = self.local.host_exit_codes(job_name) if len(pod.names) > 1 else []
         if len(codes) == len(pod.names):
             for name, code in zip(pod.names, codes, strict=True):
@@ -451,6 +476,7 @@ class Kubelet:
             await self._remove(pod)
 
     async def _remove(self, pod: _Pod) -> None:
+        pod.nodes = []
         for name in pod.names:
             self.emulator.finished_logs.add((pod.namespace, name))
             await self._request("DELETE", self._pod_path(pod, name=name))

@@ -4,7 +4,9 @@ from kinetic_prefect.launch.accelerators import (
     Accelerator,
     UnknownAcceleratorError,
     catalogue,
+    machine_type,
     parse_accelerator,
+    tpu_aliases,
 )
 
 SPOT_SELECTOR = {"cloud.google.com/gke-spot": "true"}
@@ -152,9 +154,9 @@ def test_tpu_without_chip_count_lists_valid_counts() -> None:
         parse_accelerator("v5e")
 
 
-def test_invalid_tpu_chip_count_lists_valid_counts() -> None:
-    with pytest.raises(UnknownAcceleratorError, match="4, 8, 16, 32"):
-        parse_accelerator("tpu-v4-64")
+def test_invalid_tpu_size_lists_valid_sizes() -> None:
+    with pytest.raises(UnknownAcceleratorError, match="valid sizes are 8, 16, 32, 64"):
+        parse_accelerator("tpu-v4-24")
 
 
 def test_unsupported_suffix_is_rejected() -> None:
@@ -180,3 +182,119 @@ def test_catalogue_names_round_trip(acc: Accelerator) -> None:
 def test_catalogue_lists_cpu_then_gpus_then_tpus() -> None:
     kinds = [acc.kind for acc in catalogue()]
     assert kinds == sorted(kinds, key=["cpu", "gpu", "tpu"].index)
+
+
+# -- TPU names as GKE and Cloud TPU write them ---------------------------------------------
+# https://cloud.google.com/kubernetes-engine/docs/concepts/plan-tpus and Cloud TPU's
+# per-version pages: v3, v4, v5p and TPU7x accelerator types count TensorCores (two per
+# chip), v5e and v6e count chips.
+
+
+@pytest.mark.parametrize(
+    ("spec", "chips", "hosts", "topology", "machine"),
+    [
+        ("v5p-8", 4, 1, "2x2x1", "ct5p-hightpu-4t"),
+        ("tpu-v5p-8", 4, 1, "2x2x1", "ct5p-hightpu-4t"),
+        ("v5p-16", 8, 2, "2x2x2", "ct5p-hightpu-4t"),
+        ("v4-8", 4, 1, "2x2x1", "ct4p-hightpu-4t"),
+        ("v4-16", 8, 2, "2x2x2", "ct4p-hightpu-4t"),
+        ("v3-8", 4, 1, "2x2", "ct3-hightpu-4t"),
+        ("v3-32", 16, 4, "4x4", "ct3p-hightpu-4t"),
+        ("v5litepod-16", 16, 4, "4x4", "ct5lp-hightpu-4t"),
+        ("v5litepod-8", 8, 1, "2x4", "ct5lp-hightpu-8t"),
+        ("v6e-8", 8, 1, "2x4", "ct6e-standard-8t"),
+        ("v6e-16", 16, 4, "4x4", "ct6e-standard-4t"),
+        ("tpu7x-8", 4, 1, "2x2x1", "tpu7x-standard-4t"),
+    ],
+)
+def test_cloud_tpu_names_mean_what_cloud_tpu_means(
+    spec: str, chips: int, hosts: int, topology: str, machine: str
+) -> None:
+    tpu = parse_accelerator(spec)
+
+    assert (tpu.chips, tpu.hosts, tpu.topology, tpu.machine_type) == (
+        chips,
+        hosts,
+        topology,
+        machine,
+    )
+    assert tpu.resource_limits == {"google.com/tpu": str(chips // hosts)}
+
+
+def test_gke_tpu_accelerator_values_are_the_ones_gke_labels_nodes_with() -> None:
+    labels = {
+        acc.node_selector["cloud.google.com/gke-tpu-accelerator"]
+        for acc in catalogue()
+        if acc.kind == "tpu"
+    }
+
+    assert labels == {
+        "tpu-v3-device",
+        "tpu-v3-slice",
+        "tpu-v4-podslice",
+        "tpu-v5-lite-podslice",
+        "tpu-v5-lite-device",
+        "tpu-v5p-slice",
+        "tpu-v6e-slice",
+        "tpu7x",
+    }
+
+
+def test_v3_on_one_host_is_a_device_and_across_hosts_a_slice() -> None:
+    selector = "cloud.google.com/gke-tpu-accelerator"
+
+    assert parse_accelerator("tpu-v3-8").node_selector[selector] == "tpu-v3-device"
+    assert parse_accelerator("tpu-v3-32").node_selector[selector] == "tpu-v3-slice"
+
+
+@pytest.mark.parametrize(
+    ("topology", "name"),
+    [("v5p-2x2x1", "tpu-v5p-8"), ("tpu-v5e-4x4", "tpu-v5e-16"), ("v6e-2x4", "tpu-v6e-8")],
+)
+def test_a_topology_names_its_slice(topology: str, name: str) -> None:
+    assert parse_accelerator(topology).name == name
+
+
+def test_a_v5p_size_that_counted_chips_explains_that_names_count_tensorcores() -> None:
+    with pytest.raises(UnknownAcceleratorError, match=r"count TensorCores.*tpu-v5p-8 is 4 chips"):
+        parse_accelerator("tpu-v5p-4")
+
+
+@pytest.mark.parametrize("acc", catalogue(), ids=lambda a: a.name)
+def test_every_catalogue_name_is_one_shape_whatever_its_spelling(acc: Accelerator) -> None:
+    spellings = [acc.name, *tpu_aliases(acc)] if acc.kind == "tpu" else [acc.name]
+
+    assert {parse_accelerator(s) for s in spellings} == {acc}
+
+
+# -- cpu and memory requests ----------------------------------------------------------------
+
+
+def _quantity(value: str) -> float:
+    units = {"m": 1e-3, "Mi": 2**20, "Gi": 2**30}
+    for suffix, factor in units.items():
+        if value.endswith(suffix):
+            return float(value.removesuffix(suffix)) * factor
+    return float(value)
+
+
+@pytest.mark.parametrize("acc", catalogue(), ids=lambda a: a.name)
+def test_every_accelerator_requests_cpu_and_memory_its_machine_can_give(acc: Accelerator) -> None:
+    requests = acc.default_requests
+
+    assert set(requests) == {"cpu", "memory"}
+    if acc.machine_type is None:
+        assert requests == {"cpu": "1", "memory": "2Gi"}
+        return
+    machine = machine_type(acc.machine_type)
+    cpu, memory = _quantity(requests["cpu"]), _quantity(requests["memory"])
+    # Below what GKE leaves to pods, yet most of the node: the pod has it to itself.
+    allocatable_cpu, allocatable_mib = machine.allocatable()
+    assert 0.8 * allocatable_cpu / 1000 < cpu < allocatable_cpu / 1000
+    assert 0.8 * allocatable_mib * 2**20 < memory < allocatable_mib * 2**20
+
+
+def test_allocatable_follows_gkes_documented_reservation() -> None:
+    # plan-node-sizes: a 4 vCPU / 16 GiB node reserves 80m of CPU (6% + 1% + 2 x 0.5%) and
+    # 2.6 GiB of memory (25% of 4 + 20% of 4 + 10% of 8) plus the 100 MiB eviction threshold.
+    assert machine_type("g2-standard-4").allocatable() == (3920, int(16 * 1024 - 2.6 * 1024 - 100))

@@ -26,3 +26,16 @@ def test_accelerators_kind_filter_excludes_other_kinds() -> None:
 
 def test_accelerators_rejects_unknown_kind() -> None:
     assert runner.invoke(app, ["accelerators", "--kind", "fpga"]).exit_code != 0
+
+
+def test_accelerators_lists_cloud_tpu_names_machine_types_and_requests() -> None:
+    lines = runner.invoke(app, ["accelerators", "--kind", "tpu"]).output.splitlines()
+    (v5p_8,) = [line for line in lines if "tpu-v5p-8 " in line]
+    (v5e_16,) = [line for line in lines if "tpu-v5e-16 " in line]
+
+    assert ("ct5p-hightpu-4t" in v5p_8, "tpu-v5p-slice" in v5p_8, "cpu:" in v5p_8) == (
+        True,
+        True,
+        True,
+    )
+    assert "v5litepod-16" in "\n".join(lines[lines.index(v5e_16) : lines.index(v5e_16) + 3])

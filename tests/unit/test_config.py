@@ -102,3 +102,32 @@ def test_a_warm_pod_idle_time_too_short_to_reuse_a_pod_is_refused_saying_what_to
 def test_a_warm_pod_idle_time_that_is_not_positive_is_refused():
     with pytest.raises(ConfigurationError, match="warm_pod_idle_seconds must be a positive"):
         resolve_settings(environ={}, runner={"warm_pod_idle_seconds": 0})
+
+
+def test_cpu_and_memory_come_from_the_runner_the_block_or_kinetic_variables():
+    from_env = resolve_settings(environ={"KINETIC_CPU": "4", "KINETIC_MEMORY": "16Gi"})
+    from_block = resolve_settings(block={"cpu": "2", "memory": "8Gi"}, environ={})
+    from_runner = resolve_settings(runner={"cpu": 0.5, "memory": "512Mi"}, environ={})
+
+    assert (from_env.cpu, from_env.memory) == ("4", "16Gi")
+    assert (from_block.cpu, from_block.memory) == ("2", "8Gi")
+    assert (from_runner.cpu, from_runner.memory) == ("0.5", "512Mi")
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"), [("cpu", "four"), ("cpu", "0"), ("memory", "16GB"), ("memory", "-1Gi")]
+)
+def test_a_cpu_or_memory_that_is_no_kubernetes_quantity_is_refused(setting: str, value: str):
+    with pytest.raises(ConfigurationError, match=f"{setting}=.*Kubernetes quantity"):
+        resolve_settings(runner={setting: value}, environ={})
+
+
+def test_a_cluster_blocks_cpu_memory_and_pod_overrides_are_settings():
+    from kinetic_prefect.blocks import KineticCluster, cluster_settings
+
+    block = KineticCluster(cpu="4", memory="16Gi", pod_overrides={"priorityClassName": "batch"})
+
+    settings = resolve_settings(block=cluster_settings(block), environ={})
+
+    assert (settings.cpu, settings.memory) == ("4", "16Gi")
+    assert settings.pod_overrides == {"priorityClassName": "batch"}

@@ -8,6 +8,8 @@ import re
 import kubernetes_validate
 import pytest
 
+from kinetic_prefect.common.env import emergency_window_seconds
+from kinetic_prefect.errors import ConfigurationError
 from kinetic_prefect.launch.accelerators import parse_accelerator
 from kinetic_prefect.launch.manifest import (
     LaunchSpec,
@@ -117,3 +119,108 @@ def test_task_pods_get_no_service_account_token():
 
     assert pod["spec"]["serviceAccountName"] == "kinetic-prefect-pods"
     assert pod["spec"]["automountServiceAccountToken"] is False
+
+
+# -- resources: no pod is BestEffort ----------------------------------------------------------
+
+
+def _resources(manifest: dict) -> dict:
+    return manifest["spec"]["template"]["spec"]["containers"][0]["resources"]
+
+
+@pytest.mark.parametrize("accelerator", ["cpu", "l4", "a100x8", "tpu-v5e-4", "tpu-v6e-16"])
+def test_every_pod_requests_cpu_and_memory(accelerator: str):
+    requests = _resources(build_job_manifest(_spec(accelerator)))["requests"]
+
+    assert requests["cpu"] and requests["memory"]
+    assert {k: v for k, v in requests.items() if k in ("cpu", "memory")} == (
+        parse_accelerator(accelerator).default_requests
+    )
+
+
+@pytest.mark.parametrize(
+    ("accelerator", "resource", "count"),
+    [("l4x2", "nvidia.com/gpu", "2"), ("tpu-v5e-16", "google.com/tpu", "4")],
+)
+def test_accelerator_resources_are_limits_equal_to_their_requests(
+    accelerator: str, resource: str, count: str
+):
+    resources = _resources(build_job_manifest(_spec(accelerator)))
+
+    assert resources["limits"] == {resource: count}
+    assert resources["requests"][resource] == count
+
+
+def test_cpu_and_memory_settings_replace_the_default_requests():
+    manifest = build_job_manifest(_spec("tpu-v5e-4", cpu="8", memory="64Gi"))
+
+    assert _resources(manifest)["requests"] == {
+        "cpu": "8",
+        "memory": "64Gi",
+        "google.com/tpu": "4",
+    }
+    kubernetes_validate.validate(manifest, kubernetes_validate.latest_version(), strict=True)
+
+
+# -- termination: inside the notice GKE gives a reclaimed Spot VM's pods -----------------------
+
+# https://cloud.google.com/kubernetes-engine/docs/concepts/spot-vms: a 30 s notice, of which
+# graceful node shutdown gives non-system pods up to 15 s.
+GKE_SPOT_POD_GRACE_SECONDS = 15
+
+
+def test_the_pods_grace_and_its_emergency_checkpoint_window_fit_gkes_spot_notice():
+    manifest = build_job_manifest(_spec("tpu-v5e-4:spot"))
+    pod = manifest["spec"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+
+    assert pod["terminationGracePeriodSeconds"] <= GKE_SPOT_POD_GRACE_SECONDS
+    # The emergency save and the pod's own SIGKILL end with time left to report.
+    assert (
+        float(env["KINETIC_TERMINATION_GRACE_SECONDS"]) <= pod["terminationGracePeriodSeconds"] - 5
+    )
+    # A pod without the variable (an older manifest) falls back within the notice too.
+    assert emergency_window_seconds({}) <= GKE_SPOT_POD_GRACE_SECONDS - 5
+
+
+class _RecordingBackend:
+    """Takes the builder Job's manifest and ends it at once, as a finished pod would."""
+
+    def __init__(self) -> None:
+        self.manifests: list[dict] = []
+
+    def launch(self, manifest: dict, on_exit: object, secrets: object) -> None:
+        from kinetic_prefect.backends.base import PodExit
+
+        self.manifests.append(manifest)
+        on_exit(PodExit(job_id=manifest["metadata"]["name"], exit_code=0))  # type: ignore[operator]
+
+
+def test_builder_jobs_request_cpu_and_memory_and_take_the_pod_overrides():
+    from kinetic_prefect.backends.environments import cluster_builder
+    from kinetic_prefect.launch.environment import EnvironmentPlan
+    from kinetic_prefect.launch.settings import resolve_settings
+
+    toleration = {"key": "team", "operator": "Exists", "effect": "NoSchedule"}
+    settings = resolve_settings(
+        runner={
+            "backend": "gke",
+            "jobs_root": "gs://jobs",
+            "pod_overrides": {"tolerations": [toleration]},
+        },
+        environ={},
+    )
+    backend = _RecordingBackend()
+    plan = EnvironmentPlan("k" * 64, "3.11", "linux_x86_64", ("six==1.16.0",), (), None, "test")
+
+    cluster_builder(settings, backend)(plan, "gs://jobs/spec.json", "gs://jobs/env")  # type: ignore[arg-type]
+
+    (manifest,) = backend.manifests
+    kubernetes_validate.validate(manifest, kubernetes_validate.latest_version(), strict=True)
+    assert _resources(manifest)["requests"] == {"cpu": "1", "memory": "2Gi"}
+    assert manifest["spec"]["template"]["spec"]["tolerations"] == [toleration]
+
+
+def test_more_cpu_than_a_tpu_machine_gives_pods_is_refused_naming_the_most_it_can_have():
+    with pytest.raises(ConfigurationError, match=r"cpu=200 is more than a ct5lp-hightpu-4t node"):
+        build_job_manifest(_spec("tpu-v5e-4", cpu="200"))

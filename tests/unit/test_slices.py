@@ -17,7 +17,7 @@ def _env(job: dict) -> dict[str, object]:
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
 
 
-@pytest.mark.parametrize("accelerator", ["tpu-v5e-16", "tpu-v6e-32", "tpu-v5p-16"])
+@pytest.mark.parametrize("accelerator", ["tpu-v5e-16", "tpu-v6e-32", "tpu-v5p-32"])
 def test_slice_job_and_service_pass_strict_kubernetes_validation(accelerator: str):
     workload = build_workload(_spec(accelerator))
 
@@ -27,7 +27,7 @@ def test_slice_job_and_service_pass_strict_kubernetes_validation(accelerator: st
 
 @pytest.mark.parametrize(
     ("accelerator", "hosts", "topology"),
-    [("tpu-v5e-16", 4, "4x4"), ("tpu-v6e-32", 8, "4x8"), ("tpu-v5p-16", 4, "2x2x4")],
+    [("tpu-v5e-16", 4, "4x4"), ("tpu-v6e-32", 8, "4x8"), ("tpu-v5p-32", 4, "2x2x4")],
 )
 def test_a_slice_is_an_indexed_job_of_one_pod_per_host_on_the_slices_topology(
     accelerator: str, hosts: int, topology: str
@@ -87,3 +87,33 @@ def test_a_flow_run_pod_refuses_a_multi_host_slice_and_says_to_use_a_task():
         refuse_for_flow_runs(parse_accelerator("tpu-v5e-16"))
 
     assert "KineticTaskRunner(accelerator='tpu-v5e-16')" in str(info.value)
+
+
+def test_a_slices_hosts_require_one_node_pool_and_shun_other_slices():
+    workload = build_workload(_spec("tpu-v5e-16"))
+    template = workload.job["spec"]["template"]
+    job_id = workload.job["metadata"]["name"]
+    affinity = template["spec"]["affinity"]
+    (together,) = affinity["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    (apart,) = affinity["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+
+    assert template["metadata"]["labels"]["kinetic-prefect.io/slice"] == job_id
+    assert together == {
+        "labelSelector": {"matchLabels": {"kinetic-prefect.io/slice": job_id}},
+        "topologyKey": "cloud.google.com/gke-nodepool",
+    }
+    assert apart["topologyKey"] == "cloud.google.com/gke-nodepool"
+    assert apart["labelSelector"]["matchExpressions"] == [
+        {"key": "kinetic-prefect.io/slice", "operator": "Exists"},
+        {"key": "kinetic-prefect.io/slice", "operator": "NotIn", "values": [job_id]},
+    ]
+
+
+def test_pod_overrides_reach_every_host_of_a_slice_and_keep_its_affinity():
+    toleration = {"key": "team", "operator": "Exists", "effect": "NoSchedule"}
+    workload = build_workload(_spec("tpu-v5e-16", pod_overrides={"tolerations": [toleration]}))
+    pod = workload.job["spec"]["template"]["spec"]
+
+    assert toleration in pod["tolerations"]
+    assert "podAffinity" in pod["affinity"]
+    kubernetes_validate.validate(workload.job, kubernetes_validate.latest_version(), strict=True)

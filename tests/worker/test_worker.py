@@ -75,6 +75,9 @@ JOB_VARIABLES = {
     "cluster",
     "timeout_seconds",
     "namespace",
+    "cpu",
+    "memory",
+    "pod_overrides",
     "flow_service_account",
 }
 CANCEL_GRACE_SECONDS = 5
@@ -549,6 +552,21 @@ def test_flow_pod_takes_accelerator_and_deadline_from_job_variables(prepared):
     assert pod_spec["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-l4"}
     assert container_of(manifest)["resources"]["limits"] == {"nvidia.com/gpu": "1"}
     assert manifest["spec"]["activeDeadlineSeconds"] == 600
+
+
+def test_flow_pod_takes_cpu_memory_and_pod_overrides_from_job_variables(workdir: Path):
+    flow_run = FlowRun(id=uuid.uuid4(), name="calm-heron", flow_id=uuid.uuid4())
+    toleration = {"key": "team", "operator": "Exists", "effect": "NoSchedule"}
+    configuration = KineticJobConfiguration(
+        cpu="2", memory="8Gi", pod_overrides={"tolerations": [toleration]}
+    )
+    configuration.prepare_for_flow_run(flow_run)
+
+    manifest = plan_flow_pod(flow_run, configuration).manifest
+
+    kubernetes_validate.validate(manifest, kubernetes_validate.latest_version(), strict=True)
+    assert container_of(manifest)["resources"]["requests"] == {"cpu": "2", "memory": "8Gi"}
+    assert manifest["spec"]["template"]["spec"]["tolerations"] == [toleration]
 
 
 def test_flow_pod_hands_its_cluster_settings_down_to_the_flows_task_pods(prepared, workdir):
