@@ -47,7 +47,7 @@ from kinetic_prefect.backends.gke.outcomes import SETTLE_MARGIN_SECONDS, Outcome
 from kinetic_prefect.backends.gke.secrets import JobSecrets
 from kinetic_prefect.backends.gke.slice import create_services
 from kinetic_prefect.backends.gke.status import true_condition
-from kinetic_prefect.backends.gke.watch import JobWatch, TrackedJob
+from kinetic_prefect.backends.gke.watch import CREDENTIALS_DENIED_SECONDS, JobWatch, TrackedJob
 from kinetic_prefect.common.storage import open_store
 from kinetic_prefect.launch.manifest import (
     LABEL_FLOW_RUN_ID,
@@ -91,6 +91,7 @@ class KubernetesBackend(JobEnding):
         pending_timeout_seconds: float = 600.0,
         cancel_grace_seconds: float = 10.0,
         kube_context: str | None = None,
+        credentials_denied_timeout_seconds: float = CREDENTIALS_DENIED_SECONDS,
     ) -> None:
         self.jobs_root = jobs_root
         self.cluster = cluster
@@ -126,7 +127,12 @@ class KubernetesBackend(JobEnding):
             probe_events=lambda job: self._runtime.spawn(self._probe_events(job)),
         )
         self._watch = JobWatch(
-            self.selector, self._jobs, self._outcomes.evaluate, self._start_failing
+            self.selector,
+            self._jobs,
+            self._outcomes.evaluate,
+            self._start_failing,
+            self._reload_credentials,
+            credentials_denied_timeout_seconds,
         )
 
     # -- public API (any thread but the loop's) ---------------------------------------
@@ -230,6 +236,10 @@ class KubernetesBackend(JobEnding):
                 self._runtime.spawn(access.keep_token_fresh())
                 self._runtime.spawn(self._outcomes.run())
         return self._access
+
+    async def _reload_credentials(self) -> None:
+        if self._access is not None:
+            await self._access.reload_credentials()
 
     async def _close_access(self) -> None:
         if self._access is not None:
