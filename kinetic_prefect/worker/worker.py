@@ -253,6 +253,8 @@ class KineticWorker(BaseWorker[KineticJobConfiguration, KineticVariables, Kineti
                 self._pod_observer.remove_in_flight_flow_run_id(flow_run.id)
             with self._lock:
                 self._pods.pop(pod.job_id, None)
+        if pod.outcome is not None:
+            await anyio.to_thread.run_sync(pod.backend.forget, pod.job_id)
         outcome = pod.outcome
         assert outcome is not None
         # A pod the worker stopped is not a crash: its flow run is being cancelled.
@@ -268,6 +270,31 @@ class KineticWorker(BaseWorker[KineticJobConfiguration, KineticVariables, Kineti
         else:
             logger.info("Flow-run pod %s: %s.", pod.job_id, outcome.describe())
         return KineticWorkerResult(identifier=pod.job_id, status_code=status)
+
+    async def sync_with_backend(self) -> None:
+        """Prefect's periodic sync, and a pass that forgets flow-run pods no run follows."""
+        await super().sync_with_backend()
+        await anyio.to_thread.run_sync(self._forget_unfollowed)
+
+    def _forget_unfollowed(self) -> None:
+        """Forget every ended job no run follows (a run ended before its pod was seen out)."""
+        with self._lock:
+            backends = list(self._backends.values())
+            followed = set(self._pods)
+        for backend in backends:
+            for job_id in set(backend.kept_jobs()) - followed:
+                backend.forget(job_id)
+
+    def kept_jobs(self) -> list[str]:
+        """The flow-run pods the worker (or its backends) keeps anything about.
+
+        Empty once every flow run it launched has ended: nothing grows with the runs.
+        """
+        with self._lock:
+            backends = list(self._backends.values())
+            followed = list(self._pods)
+        kept = {job_id for backend in backends for job_id in backend.kept_jobs()}
+        return sorted(kept.union(followed))
 
     async def kill_infrastructure(
         self,

@@ -8,6 +8,7 @@ through the manifest's Secret refs.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -22,6 +23,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import anyio
 import kubernetes_validate
 import pytest
 import yaml
@@ -383,6 +385,62 @@ def test_a_flow_pod_past_its_deadline_is_stopped_with_its_pods_and_its_run_crash
 
     assert final.is_crashed()
     assert f"deadline of {DEADLINE_SECONDS}s" in final.message
+
+
+IN_PROCESS_POOL = "kinetic-in-process"
+
+
+async def _work_through(flow_run_ids: list[uuid.UUID], server: PrefectServer) -> list[str]:
+    """Run a worker of `IN_PROCESS_POOL` in this process until the runs end and their pods
+    are forgotten; what it still keeps about flow-run pods then."""
+
+    def runs_final() -> bool:
+        with server.client() as client:
+            states = [client.read_flow_run(run_id).state for run_id in flow_run_ids]
+        return all(state is not None and state.is_final() for state in states)
+
+    async with KineticWorker(work_pool_name=IN_PROCESS_POOL) as worker:
+        submitted = await worker.get_and_submit_flow_runs()
+        assert {run.id for run in submitted} == set(flow_run_ids)
+        await anyio.to_thread.run_sync(wait_until, runs_final, FLOW_RUN_TIMEOUT, "the runs to end")
+        await anyio.to_thread.run_sync(
+            wait_until,
+            lambda: not worker.kept_jobs(),
+            60,
+            "the worker to forget every flow-run pod that ended",
+        )
+        return worker.kept_jobs()
+
+
+def test_the_worker_keeps_nothing_about_flow_runs_that_have_ended(
+    stack: Stack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KINETIC_JOBS_ROOT", str(tmp_path / ".kinetic"))
+    stack.server.cli("work-pool", "create", "--type", "kinetic", IN_PROCESS_POOL)
+    with stack.server.client() as client:
+        sweep = client.read_deployment_by_name(SWEEP)
+        deployment_id = client.create_deployment(
+            flow_id=sweep.flow_id,
+            name="sweep-in-process",
+            work_pool_name=IN_PROCESS_POOL,
+            entrypoint=sweep.entrypoint,
+            pull_steps=sweep.pull_steps,
+            parameter_openapi_schema=sweep.parameter_openapi_schema,
+        )
+        runs = [
+            client.create_flow_run_from_deployment(deployment_id, parameters=ONE_TRIAL)
+            for _ in range(3)
+        ]
+
+    with client_of(stack.server):
+        kept = asyncio.run(_work_through([run.id for run in runs], stack.server))
+    with stack.server.client() as client:
+        finals = [client.read_flow_run(run.id).state for run in runs]
+        client.delete_deployment(deployment_id)
+
+    assert [state.type.value for state in finals] == ["COMPLETED"] * 3
+    assert kept == []
 
 
 def rbac_service_accounts() -> tuple[str, str]:

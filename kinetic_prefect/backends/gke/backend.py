@@ -209,6 +209,15 @@ class KubernetesBackend(JobEnding):
         self._runtime.call(self._connect())
         return str(self._runtime.call(self._logs(job_id, tail)))
 
+    def forget(self, job_id: str) -> None:
+        if self._runtime.started:
+            self._runtime.call(self._forget(job_id))
+
+    def kept_jobs(self) -> list[str]:
+        if not self._runtime.started:
+            return []
+        return list(self._runtime.call(self._kept_jobs()))
+
     def close(self) -> None:
         """Cancel every job still running, wait for their exits, and stop the watcher."""
         with self._lock:
@@ -236,6 +245,15 @@ class KubernetesBackend(JobEnding):
                 self._runtime.spawn(access.keep_token_fresh())
                 self._runtime.spawn(self._outcomes.run())
         return self._access
+
+    async def _forget(self, job_id: str) -> None:
+        job = self._jobs.get(job_id)
+        if job is not None and job.done:
+            del self._jobs[job_id]
+            self._secrets.forget_gone_owners()
+
+    async def _kept_jobs(self) -> list[str]:
+        return list(self._jobs)
 
     async def _reload_credentials(self) -> None:
         if self._access is not None:
