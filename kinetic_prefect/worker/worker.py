@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets as token_source
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -44,11 +45,14 @@ from kinetic_prefect.launch.packaging import find_package_root
 from kinetic_prefect.launch.settings import LaunchSettings
 from kinetic_prefect.worker.flow_pod import (
     FLOW_RUN_COMMAND,
+    RECORD_KEY_SECRET_KEY,
     RUNNER_SERVICE_ACCOUNT,
     FlowPodPlan,
     crash_message,
     exit_status,
+    flow_pod_settings,
     plan_flow_pod,
+    record_key_secret,
 )
 from kinetic_prefect.worker.prefect_observer import cancelling_observer
 
@@ -113,6 +117,7 @@ class KineticJobConfiguration(_KineticPodFields, BaseJobConfiguration):
 
     _user_labels: dict[str, str] = PrivateAttr(default_factory=dict)
     _flow_name: str | None = PrivateAttr(default=None)
+    _pool_name: str | None = PrivateAttr(default=None)
 
     def prepare_for_flow_run(
         self,
@@ -128,6 +133,7 @@ class KineticJobConfiguration(_KineticPodFields, BaseJobConfiguration):
         # never mistakes it for one of its pods.
         self._user_labels = dict(self.labels)
         self._flow_name = flow.name if flow is not None else None
+        self._pool_name = work_pool.name if work_pool is not None else None
         super().prepare_for_flow_run(
             flow_run, deployment, flow, work_pool, worker_name, worker_id=worker_id
         )
@@ -150,6 +156,11 @@ class KineticJobConfiguration(_KineticPodFields, BaseJobConfiguration):
     @property
     def flow_name(self) -> str | None:
         return self._flow_name
+
+    @property
+    def pool_name(self) -> str | None:
+        """The work pool the flow run came from."""
+        return self._pool_name
 
 
 class KineticVariables(_KineticPodFields, BaseVariables):
@@ -326,11 +337,17 @@ class KineticWorker(BaseWorker[KineticJobConfiguration, KineticVariables, Kineti
         loop: asyncio.AbstractEventLoop,
     ) -> _FlowPod:
         cluster = self._cluster(configuration.cluster)
-        plan = plan_flow_pod(flow_run, configuration, cluster)
-        settings = plan.settings
+        settings = flow_pod_settings(configuration, cluster)
+        # Local flow pods share this machine's key file (`record_key.key_file`).
+        key_secret = None
+        if settings.backend == "gke" and configuration.pool_name:
+            key_secret = record_key_secret(configuration.pool_name)
+        plan = plan_flow_pod(flow_run, configuration, cluster, key_secret)
         jobs_root = settings.resolved_jobs_root()
         self._check_storage(jobs_root, cluster)
         backend = self._backend_for(settings, jobs_root, configuration.cluster, cluster)
+        if key_secret is not None:
+            self._ensure_record_key(backend, settings.namespace, key_secret)
         if settings.ships_environment():
             # The flow pod starts from the stock image too; its environment is planned
             # from the project the worker runs in (its working directory).
@@ -373,6 +390,15 @@ class KineticWorker(BaseWorker[KineticJobConfiguration, KineticVariables, Kineti
             plan.spec.output_dir,
         )
         return pod
+
+    def _ensure_record_key(self, backend: Backend, namespace: str, name: str) -> None:
+        """Create the pool's record-key Secret once; one that exists keeps its key."""
+        from kinetic_prefect.backends.gke.backend import KubernetesBackend
+
+        if isinstance(backend, KubernetesBackend):
+            backend.keep_secret(
+                namespace, name, {RECORD_KEY_SECRET_KEY: token_source.token_hex(32)}
+            )
 
     def _cluster(self, name: str | None) -> Any:
         if not name:

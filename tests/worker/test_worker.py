@@ -44,7 +44,7 @@ from prefect.settings import (
     PREFECT_API_URL,
     temporary_settings,
 )
-from prefect.states import Cancelling
+from prefect.states import Cancelling, Scheduled
 
 from kinetic_prefect.common.records import FINAL_STATE_JSON, FinalRecord
 from kinetic_prefect.launch.manifest import (
@@ -97,7 +97,7 @@ class Stack:
         return self.jobs_root / "outputs"
 
 
-def pod_processes(outputs: Path, flow_run_id: object = None) -> dict[int, str]:
+def pod_processes(outputs: Path | str, flow_run_id: object = None) -> dict[int, str]:
     """Live processes of the flow run's pods (all runs' without an id), pid -> output key.
 
     Every process of a pod carries the pod's `KINETIC_OUTPUT_DIR`,
@@ -459,16 +459,19 @@ def rbac_service_accounts() -> tuple[str, str]:
     return runner, pods
 
 
-def test_deployed_flow_on_gke_runs_as_the_runner_account_and_launches_its_task_pods_there(
-    stack: Stack, gcs, cluster, suite_environment, tmp_path: Path
-):
-    from prefect.utilities.callables import parameter_schema
+@contextlib.contextmanager
+def gke_pool_worker(stack: Stack, gcs: Any, worker_dir: Path) -> Iterator[Any]:
+    """A `GKE_POOL` worker whose flow pods run on the emulated cluster; yields a client.
+
+    The pool's deployments name the gke `KineticCluster` saved here, on the suite's
+    shipped environment.
+    """
     from prefect_gcp.cloud_storage import GcsBucket
 
     from kinetic_prefect.blocks import KineticCluster, KineticGcpCredentials
     from tests.support.clusters import SHIPPED_REQUIREMENTS
 
-    runner_account, pods_account = rbac_service_accounts()
+    _, pods_account = rbac_service_accounts()
     server = stack.server
     with client_of(server):
         GcsBucket(
@@ -486,23 +489,38 @@ def test_deployed_flow_on_gke_runs_as_the_runner_account_and_launches_its_task_p
             environment_store=gcs.environment_store,
             accelerator_extras=[],
         ).save(deployed_flows.GKE_CLUSTER, overwrite=True)
-    server.cli("work-pool", "create", "--type", "kinetic", GKE_POOL)
-    worker_dir = tmp_path / "gke-worker"
+    server.cli("work-pool", "create", "--type", "kinetic", "--overwrite", GKE_POOL)
     worker_dir.mkdir()
     with (
         server.client() as client,
         prefect_worker(server, GKE_POOL, "kinetic", worker_dir, KINETIC_ALLOW_LOOPBACK_API="true"),
     ):
-        sweep = client.read_deployment_by_name(SWEEP)
-        deployment_id = client.create_deployment(
-            flow_id=client.create_flow_from_name(deployed_flows.cubes_on_gke.name),
-            name="cubes-on-gke",
-            work_pool_name=GKE_POOL,
-            entrypoint="tests/support/deployed_flows.py:cubes_on_gke",
-            pull_steps=sweep.pull_steps,
-            parameter_openapi_schema=parameter_schema(deployed_flows.cubes_on_gke).model_dump(),
-            job_variables={"cluster": deployed_flows.GKE_CLUSTER},
-        )
+        yield client
+
+
+def deploy_to_gke_pool(client: Any, flow: Any, entrypoint: str) -> uuid.UUID:
+    from prefect.utilities.callables import parameter_schema
+
+    sweep = client.read_deployment_by_name(SWEEP)
+    deployment_id: uuid.UUID = client.create_deployment(
+        flow_id=client.create_flow_from_name(flow.name),
+        name=flow.name,
+        work_pool_name=GKE_POOL,
+        entrypoint=f"tests/support/deployed_flows.py:{entrypoint}",
+        pull_steps=sweep.pull_steps,
+        parameter_openapi_schema=parameter_schema(flow).model_dump(),
+        job_variables={"cluster": deployed_flows.GKE_CLUSTER},
+    )
+    return deployment_id
+
+
+def test_deployed_flow_on_gke_runs_as_the_runner_account_and_launches_its_task_pods_there(
+    stack: Stack, gcs, cluster, suite_environment, tmp_path: Path
+):
+    runner_account, pods_account = rbac_service_accounts()
+    server = stack.server
+    with gke_pool_worker(stack, gcs, tmp_path / "gke-worker") as client:
+        deployment_id = deploy_to_gke_pool(client, deployed_flows.cubes_on_gke, "cubes_on_gke")
         flow_run = client.create_flow_run_from_deployment(deployment_id, parameters={"xs": [2, 3]})
         final = wait_for_final_state(stack, client, flow_run.id)
         flow_job = client.read_flow_run(flow_run.id).infrastructure_pid
@@ -530,6 +548,71 @@ def test_deployed_flow_on_gke_runs_as_the_runner_account_and_launches_its_task_p
         pods_account
     }
     assert {token for token, _ in task_jobs} == {service_account_token("default", runner_account)}
+
+
+def _running_task_pod(cluster: Any, flow_run_id: uuid.UUID) -> str | None:
+    """The Job name of the flow run's task pod once it runs."""
+    for pod in cluster.pods():
+        labels = pod["metadata"].get("labels") or {}
+        running = (pod.get("status") or {}).get("phase") == "Running"
+        ours = labels.get(LABEL_FLOW_RUN_ID) == str(flow_run_id)
+        if running and ours and LABEL_TASK_RUN_ID in labels:
+            return str(labels[LABEL_JOB_ID])
+    return None
+
+
+def _kill_flow_pod(gcs: Any, flow_run_id: uuid.UUID) -> None:
+    """SIGKILL every process of the flow run's flow pod (the flow runs in a group of its own)."""
+    processes = pod_processes(f"{gcs.uri}/outputs", flow_run_id)
+    flow_pids = [pid for pid, key in processes.items() if key == "flow"]
+    assert flow_pids, processes
+    for pid in flow_pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _reattached(client: Any, flow_run_id: uuid.UUID) -> bool:
+    return any(
+        (run.state and run.state.message or "").startswith("Reattached")
+        for run in task_runs_of(client, flow_run_id)
+    )
+
+
+def test_a_flow_pod_restarted_for_its_flow_run_reattaches_to_its_running_task_pod(
+    stack: Stack, gcs, cluster, suite_environment, tmp_path: Path
+):
+    gate = tmp_path / "gate"
+    with gke_pool_worker(stack, gcs, tmp_path / "gke-worker") as client:
+        deployment_id = deploy_to_gke_pool(
+            client, deployed_flows.gated_cube_on_gke, "gated_cube_on_gke"
+        )
+        flow_run = client.create_flow_run_from_deployment(
+            deployment_id, parameters={"x": 2, "gate": str(gate)}
+        )
+        task_job = wait_until(
+            lambda: _running_task_pod(cluster, flow_run.id), FLOW_RUN_TIMEOUT, "the task pod"
+        )
+        _kill_flow_pod(gcs, flow_run.id)
+        crashed = wait_for_final_state(stack, client, flow_run.id)
+        # What a retry of the crashed flow run does: the worker gives it a new flow pod.
+        client.set_flow_run_state(flow_run.id, Scheduled(), force=True)
+        wait_until(lambda: _reattached(client, flow_run.id), FLOW_RUN_TIMEOUT, "a reattach")
+        gate.touch()
+        final = wait_for_final_state(stack, client, flow_run.id)
+    with client_of(stack.server):
+        result = final.result()
+
+    created = cluster.created_jobs()
+    flow_jobs = [job for job in created if LABEL_TASK_RUN_ID not in job["metadata"]["labels"]]
+    task_jobs = [job for job in created if LABEL_TASK_RUN_ID in job["metadata"]["labels"]]
+    key_secret = cluster.secret("default", f"kinetic-record-key-{GKE_POOL}")
+    assert crashed.is_crashed(), crashed.message
+    assert final.is_completed(), final.message
+    assert result == 8
+    assert len(flow_jobs) == 2
+    assert [job["metadata"]["name"] for job in task_jobs] == [task_job]
+    assert key_secret is not None and "record-key" in key_secret["data"]
+    assert "ownerReferences" not in key_secret["metadata"]
 
 
 # -- the flow pod's manifest -----------------------------------------------------------

@@ -38,6 +38,7 @@ from kinetic_prefect.backends.gke.client import (
     connect,
     create_idempotently,
     pods_of_job,
+    put_secret,
     read_json,
 )
 from kinetic_prefect.backends.gke.ending import JobEnding
@@ -63,6 +64,8 @@ logger = get_logger("kinetic_prefect.backends.gke.backend")
 
 # Which backend instance (runner) owns a Job: its watch selects on this label only.
 LABEL_RUNNER = "kinetic-prefect.io/runner"
+# A Secret no Job owns and no cleanup removes (a work pool's record key).
+LABEL_KEPT_SECRET = "kinetic-prefect.io/kept"
 
 
 # A finished Job is trusted to exist (and to keep its Secret) for this share of its TTL.
@@ -208,6 +211,16 @@ class KubernetesBackend(JobEnding):
         self._runtime.start()
         self._runtime.call(self._connect())
         return str(self._runtime.call(self._logs(job_id, tail)))
+
+    def keep_secret(self, namespace: str, name: str, values: dict[str, str]) -> None:
+        """Create a Secret that outlives every Job (no owners, no managed-by label).
+
+        One that exists already is kept as it is, unread: its values win over `values`.
+        """
+        self._runtime.start()
+        self._runtime.call(self._connect())
+        labels = {LABEL_KEPT_SECRET: "true"}
+        self._runtime.call(put_secret(self._core, namespace, name, values, labels=labels))
 
     def forget(self, job_id: str) -> None:
         if self._runtime.started:

@@ -436,18 +436,20 @@ async def put_secret(
     name: str,
     values: Mapping[str, str],
     owners: Sequence[Mapping[str, Any]] = (),
+    labels: Mapping[str, str] | None = None,
 ) -> None:
     """Create the Opaque Secret `name` holding `values`, owned by the Jobs `owners` names.
 
     Names are digests of their contents (`kinetic_prefect.launch.pod_secrets`), so an
     existing Secret of that name already holds these values: it is never read, and the
-    runner needs no `get` on Secrets.
+    runner needs no `get` on Secrets. Its labels default to the managed-by label
+    (`kinetic-prefect jobs cleanup` removes such Secrets once no Job owns them).
     """
     data = {k: base64.b64encode(v.encode()).decode() for k, v in values.items()}
     metadata: dict[str, Any] = {
         "name": name,
         "namespace": namespace,
-        "labels": {LABEL_MANAGED_BY: MANAGED_BY},
+        "labels": dict(labels) if labels is not None else {LABEL_MANAGED_BY: MANAGED_BY},
     }
     if owners:
         metadata["ownerReferences"] = [dict(owner) for owner in owners]
