@@ -348,16 +348,23 @@ DENIED_TIMEOUT = 2.0
 
 
 def _while_the_pod_runs(
-    cluster: KubeCluster, act: Callable[[], None], then: Callable[[], None] = lambda: None
+    cluster: KubeCluster,
+    act: Callable[[], None],
+    gate: Path | None = None,
+    until: Callable[[], bool] = lambda: True,
+    what: str = "",
 ) -> Callable[[], None]:
-    """Once the only Job's pod runs: `act`, end every watch (the runner reopens them), `then`."""
+    """Once the only Job's pod runs: `act`, end every watch (the runner reopens them), and
+    open `gate` once `until` holds."""
 
     def scenario() -> None:
         job_id = wait_until(lambda: _only_job_id(cluster), 60, "the Job to be created")
         wait_until(lambda: _pod_phase(cluster, job_id) == "Running", 60, "the pod to run")
         act()
         cluster.cut_watches()
-        then()
+        if gate is not None:
+            wait_until(until, 30, what)
+            gate.touch()
 
     return scenario
 
@@ -377,11 +384,14 @@ def test_a_watch_answered_401_once_fails_no_task(gke, cluster, workdir):
         cluster.fail_next("get", "pods", *UNAUTHORIZED, watch=True)
         cluster.fail_next("get", "jobs", *UNAUTHORIZED, watch=True)
 
-    def open_the_gate_once_refused() -> None:
-        wait_until(lambda: not cluster.call(lambda: cluster.emulator.faults), 30, "both refused")
-        gate.touch()
-
-    with alongside(_while_the_pod_runs(cluster, refuse_once, open_the_gate_once_refused)):
+    refused = _while_the_pod_runs(
+        cluster,
+        refuse_once,
+        gate,
+        lambda: not cluster.call(lambda: cluster.emulator.faults),
+        "both watches to be refused",
+    )
+    with alongside(refused):
         result = _gated_flow(_runner(gke), gate)
 
     assert result == "opened"
@@ -399,15 +409,14 @@ def test_a_rotated_token_in_the_kubeconfig_is_picked_up_when_the_old_one_is_refu
         cluster.kubeconfig.write_text(json.dumps(rotated))
         cluster.refuse(*UNAUTHORIZED, token=old_token)
 
-    def open_the_gate_once_reopened() -> None:
-        wait_until(
-            lambda: _watches_reopened_with(cluster, "rotated-token") == {"jobs", "pods"},
-            30,
-            "the watches to reopen with the rotated token",
-        )
-        gate.touch()
-
-    with alongside(_while_the_pod_runs(cluster, rotate, open_the_gate_once_reopened)):
+    rotated = _while_the_pod_runs(
+        cluster,
+        rotate,
+        gate,
+        lambda: _watches_reopened_with(cluster, "rotated-token") == {"jobs", "pods"},
+        "the watches to reopen with the rotated token",
+    )
+    with alongside(rotated):
         result = _gated_flow(_runner(gke), gate)
 
     assert result == "opened"

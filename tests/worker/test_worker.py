@@ -213,6 +213,21 @@ def pod_job_id(client: Any, task_run_id: uuid.UUID) -> str:
 FRESH_TASK_PODS = {"env": {"KINETIC_LOCAL_TEMPLATE": "0"}}
 
 
+def deploy_sweep(client: Any, name: str, pool: str, **options: Any) -> uuid.UUID:
+    """Another deployment of the sweep's flow and code, in `pool`."""
+    sweep = client.read_deployment_by_name(SWEEP)
+    deployment_id: uuid.UUID = client.create_deployment(
+        flow_id=sweep.flow_id,
+        name=name,
+        work_pool_name=pool,
+        entrypoint=sweep.entrypoint,
+        pull_steps=sweep.pull_steps,
+        parameter_openapi_schema=sweep.parameter_openapi_schema,
+        **options,
+    )
+    return deployment_id
+
+
 def run_sweep(client: Any, parameters: dict[str, Any], **job_variables: Any) -> FlowRun:
     deployment = client.read_deployment_by_name(SWEEP)
     return client.create_flow_run_from_deployment(
@@ -281,18 +296,14 @@ def test_deployed_sweep_runs_in_a_flow_pod_whose_tasks_run_in_pods_of_their_own(
 
 def test_interval_schedule_runs_are_created_by_the_scheduler_and_run_by_the_worker(stack: Stack):
     with stack.server.client() as client:
-        sweep = client.read_deployment_by_name(SWEEP)
         # Daily, first due in a few seconds: exactly one run falls due during the test.
         schedule = IntervalSchedule(
             interval=timedelta(days=1), anchor_date=datetime.now(UTC) + timedelta(seconds=5)
         )
-        deployment_id = client.create_deployment(
-            flow_id=sweep.flow_id,
-            name="daily-sweep",
-            work_pool_name=POOL,
-            entrypoint=sweep.entrypoint,
-            pull_steps=sweep.pull_steps,
-            parameter_openapi_schema=sweep.parameter_openapi_schema,
+        deployment_id = deploy_sweep(
+            client,
+            "daily-sweep",
+            POOL,
             parameters=ONE_TRIAL,
             schedules=[DeploymentScheduleCreate(schedule=schedule, active=True)],
         )
@@ -419,15 +430,7 @@ def test_the_worker_keeps_nothing_about_flow_runs_that_have_ended(
     monkeypatch.setenv("KINETIC_JOBS_ROOT", str(tmp_path / ".kinetic"))
     stack.server.cli("work-pool", "create", "--type", "kinetic", IN_PROCESS_POOL)
     with stack.server.client() as client:
-        sweep = client.read_deployment_by_name(SWEEP)
-        deployment_id = client.create_deployment(
-            flow_id=sweep.flow_id,
-            name="sweep-in-process",
-            work_pool_name=IN_PROCESS_POOL,
-            entrypoint=sweep.entrypoint,
-            pull_steps=sweep.pull_steps,
-            parameter_openapi_schema=sweep.parameter_openapi_schema,
-        )
+        deployment_id = deploy_sweep(client, "sweep-in-process", IN_PROCESS_POOL)
         runs = [
             client.create_flow_run_from_deployment(deployment_id, parameters=ONE_TRIAL)
             for _ in range(3)
