@@ -54,6 +54,7 @@ from kinetic_prefect.launch.manifest import (
     LABEL_TASK_RUN_ID,
     container_of,
 )
+from kinetic_prefect.worker.flow_pod import record_key_secret
 from kinetic_prefect.worker.worker import KineticJobConfiguration, KineticWorker, plan_flow_pod
 from tests.support import deployed_flows
 from tests.support.pod_env import service_account_token
@@ -719,6 +720,35 @@ def test_flow_pod_runs_as_the_runner_with_its_token_and_its_task_pods_keep_the_c
     assert pod_spec["serviceAccountName"] == "kinetic-prefect-runner"
     assert pod_spec["automountServiceAccountToken"] is True
     assert env["KINETIC_SERVICE_ACCOUNT"] == "kinetic-prefect-pods"
+
+
+def test_a_gke_flow_pod_reads_its_record_key_from_its_pools_secret(prepared):
+    flow_run, configuration = prepared
+
+    manifest = plan_flow_pod(flow_run, configuration, None, record_key_secret("gpu-pool")).manifest
+
+    env = {item["name"]: item for item in container_of(manifest)["env"]}
+    assert env["KINETIC_RECORD_KEY"]["valueFrom"]["secretKeyRef"] == {
+        "name": "kinetic-record-key-gpu-pool",
+        "key": "record-key",
+    }
+
+
+def test_a_record_key_set_in_the_env_job_variable_wins_over_the_pools_secret(prepared):
+    flow_run, configuration = prepared
+    configuration.env["KINETIC_RECORD_KEY"] = "k" * 64
+
+    manifest = plan_flow_pod(flow_run, configuration, None, record_key_secret("gpu-pool")).manifest
+
+    env = [item for item in container_of(manifest)["env"] if item["name"] == "KINETIC_RECORD_KEY"]
+    assert env == [{"name": "KINETIC_RECORD_KEY", "value": "k" * 64}]
+
+
+def test_pool_names_that_are_not_dns_names_get_distinct_dns_secret_names():
+    names = {record_key_secret(pool) for pool in ("GPU pool", "gpu-pool", "gpu_pool")}
+
+    assert len(names) == 3
+    assert all(re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", name) for name in names)
 
 
 def test_kinetic_worker_is_the_kinetic_work_pool_type():
