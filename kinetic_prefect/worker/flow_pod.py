@@ -86,6 +86,7 @@ INHERITED_SETTINGS = (
     "ttl_seconds_after_finished",
     "cancel_grace_seconds",
     "pending_timeout_seconds",
+    "credentials_denied_timeout_seconds",
     "allow_loopback_api",
 )
 # The flow pod's identity: deployments/k8s/rbac.yaml binds it to the Role that may launch
