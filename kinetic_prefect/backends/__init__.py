@@ -34,6 +34,7 @@ def create_backend(settings: LaunchSettings, jobs_root: str, cluster: Any = None
             pending_timeout_seconds=settings.pending_timeout_seconds,
             cancel_grace_seconds=settings.cancel_grace_seconds,
             kube_context=settings.kube_context,
+            credentials_denied_timeout_seconds=settings.credentials_denied_timeout_seconds,
         )
     from kinetic_prefect.errors import ConfigurationError
 

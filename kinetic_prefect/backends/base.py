@@ -103,4 +103,16 @@ class Backend(Protocol):
 
     def logs(self, job_id: str, tail: int | None = None) -> str: ...
 
+    def forget(self, job_id: str) -> None:
+        """Drop what the backend keeps about a job that has ended; a live job stays.
+
+        For a long-lived caller (a worker) that has had the job's `on_exit`: what is
+        kept per job would otherwise grow with every job launched.
+        """
+        ...
+
+    def kept_jobs(self) -> list[str]:
+        """The jobs the backend keeps anything about: live ones and ended ones not forgotten."""
+        ...
+
     def close(self) -> None: ...

@@ -57,6 +57,9 @@ class LaunchSettings:
     ttl_seconds_after_finished: int = 3600
     cancel_grace_seconds: float = 10.0
     pending_timeout_seconds: float = 600.0
+    # gke: how long the cluster may refuse the credentials to watch a job's pod (401/403,
+    # re-read meanwhile) before the job fails (docs/kubernetes.md).
+    credentials_denied_timeout_seconds: float = 120.0
     # Pods on the gke backend reach the Prefect API by its URL; a loopback URL only works
     # where pods share the host's network (kind/minikube with hostNetwork, tests).
     allow_loopback_api: bool = False
@@ -141,6 +144,7 @@ _ENV_PARSERS: dict[str, Any] = {
     "ttl_seconds_after_finished": int,
     "cancel_grace_seconds": float,
     "pending_timeout_seconds": float,
+    "credentials_denied_timeout_seconds": float,
     "allow_loopback_api": lambda v: _parse_bool("KINETIC_ALLOW_LOOPBACK_API", v),
     "kube_context": str,
     "warm_pods": lambda v: _parse_bool("KINETIC_WARM_PODS", v),

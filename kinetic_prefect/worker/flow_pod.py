@@ -8,20 +8,28 @@ container command. The cluster block's `env` reaches the flow pod as it reaches
 task pods, under the `env` job variable. The flow pod runs as
 `flow_service_account` with its token mounted, since it launches the flow's
 task pods; those run as the cluster's `service_account`, without a token.
+
+On gke the flow pod's record key (`KINETIC_RECORD_KEY`, the master key its task
+runner derives the flow run's signing key from) comes from the work pool's Secret
+`kinetic-record-key-{pool}` through a secretKeyRef, so a flow pod restarted for the
+same flow run derives the same key and can reattach to its task pods (docs/worker.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import re
 import shlex
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kinetic_prefect.backends.base import PodExit
+from kinetic_prefect.common.env import SIGNING_KEY_ENV
 from kinetic_prefect.launch import prefect_context
 from kinetic_prefect.launch.accelerators import parse_accelerator
 from kinetic_prefect.launch.environment import ShippedEnvironment
-from kinetic_prefect.launch.manifest import LaunchSpec, build_job_manifest, new_job_id
+from kinetic_prefect.launch.manifest import LaunchSpec, SecretRef, build_job_manifest, new_job_id
 from kinetic_prefect.launch.pod_secrets import PodSecrets, split_env
 from kinetic_prefect.launch.pod_settings import secret_setting_paths
 from kinetic_prefect.launch.settings import (
@@ -81,8 +89,21 @@ INHERITED_SETTINGS = (
     "ttl_seconds_after_finished",
     "cancel_grace_seconds",
     "pending_timeout_seconds",
+    "credentials_denied_timeout_seconds",
     "allow_loopback_api",
 )
+# The work pool's record key: one Secret per pool and namespace, created by the worker.
+RECORD_KEY_SECRET_PREFIX = "kinetic-record-key-"
+RECORD_KEY_SECRET_KEY = "record-key"
+_NOT_IN_NAMES = re.compile(r"[^a-z0-9-]+")
+
+
+def record_key_secret(pool: str) -> str:
+    """The name of the Secret that holds work pool `pool`'s record key (DNS-1123)."""
+    stem = _NOT_IN_NAMES.sub("-", pool.lower()).strip("-")[:200]
+    if stem != pool:  # two pools whose names differ only in case or punctuation
+        stem = f"{stem}-{hashlib.sha256(pool.encode()).hexdigest()[:8]}".lstrip("-")
+    return RECORD_KEY_SECRET_PREFIX + stem
 
 
 def inherited_settings_env(settings: LaunchSettings) -> dict[str, str]:
@@ -163,11 +184,18 @@ def flow_pod_settings(configuration: FlowPodJob, cluster: Any = None) -> LaunchS
     )
 
 
-def plan_flow_pod(flow_run: FlowRun, configuration: FlowPodJob, cluster: Any = None) -> FlowPodPlan:
+def plan_flow_pod(
+    flow_run: FlowRun,
+    configuration: FlowPodJob,
+    cluster: Any = None,
+    record_key_secret: str | None = None,
+) -> FlowPodPlan:
     """The Job manifest (and its secrets) for a flow run's pod.
 
     `configuration` must have been prepared for `flow_run` (Prefect's worker does
     that); `cluster` is the loaded `KineticCluster` its `cluster` variable names.
+    `record_key_secret` names the Secret the pod's `KINETIC_RECORD_KEY` comes from,
+    unless the job variables set that variable themselves.
 
     Example:
         ```python
@@ -192,6 +220,9 @@ def plan_flow_pod(flow_run: FlowRun, configuration: FlowPodJob, cluster: Any = N
     values.update({k: v for k, v in cluster_secrets.items() if k not in env})
     values.update({name: env.pop(name) for name in secret_setting_paths() if name in env})
     secrets = PodSecrets(values)
+    secret_env = secrets.refs()
+    if record_key_secret and SIGNING_KEY_ENV not in env and SIGNING_KEY_ENV not in values:
+        secret_env += (SecretRef(SIGNING_KEY_ENV, record_key_secret, RECORD_KEY_SECRET_KEY),)
     output_root = settings.output_dir or settings.resolved_output_root()
     spec = LaunchSpec(
         job_id=new_job_id(configuration.name or flow_run.name or "flow"),
@@ -203,7 +234,7 @@ def plan_flow_pod(flow_run: FlowRun, configuration: FlowPodJob, cluster: Any = N
         namespace=settings.namespace,
         output_dir=join_uri(output_root, flow_run_id, FLOW_OUTPUT_KEY),
         env=env,
-        secret_env=secrets.refs(),
+        secret_env=secret_env,
         timeout_seconds=settings.timeout_seconds,
         ttl_seconds_after_finished=settings.ttl_seconds_after_finished,
         service_account=configuration.flow_service_account,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets as token_source
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -48,10 +49,13 @@ from kinetic_prefect.launch.packaging import find_package_root
 from kinetic_prefect.launch.settings import LaunchSettings
 from kinetic_prefect.worker.flow_pod import (
     FLOW_RUN_COMMAND,
+    RECORD_KEY_SECRET_KEY,
     FlowPodPlan,
     crash_message,
     exit_status,
+    flow_pod_settings,
     plan_flow_pod,
+    record_key_secret,
 )
 from kinetic_prefect.worker.prefect_observer import cancelling_observer
 
@@ -131,6 +135,7 @@ class KineticJobConfiguration(_KineticPodFields, BaseJobConfiguration):
 
     _user_labels: dict[str, str] = PrivateAttr(default_factory=dict)
     _flow_name: str | None = PrivateAttr(default=None)
+    _pool_name: str | None = PrivateAttr(default=None)
 
     def prepare_for_flow_run(
         self,
@@ -146,6 +151,7 @@ class KineticJobConfiguration(_KineticPodFields, BaseJobConfiguration):
         # never mistakes it for one of its pods.
         self._user_labels = dict(self.labels)
         self._flow_name = flow.name if flow is not None else None
+        self._pool_name = work_pool.name if work_pool is not None else None
         super().prepare_for_flow_run(
             flow_run, deployment, flow, work_pool, worker_name, worker_id=worker_id
         )
@@ -168,6 +174,11 @@ class KineticJobConfiguration(_KineticPodFields, BaseJobConfiguration):
     @property
     def flow_name(self) -> str | None:
         return self._flow_name
+
+    @property
+    def pool_name(self) -> str | None:
+        """The work pool the flow run came from."""
+        return self._pool_name
 
 
 class KineticVariables(_KineticPodFields, BaseVariables):
@@ -271,6 +282,8 @@ class KineticWorker(BaseWorker[KineticJobConfiguration, KineticVariables, Kineti
                 self._pod_observer.remove_in_flight_flow_run_id(flow_run.id)
             with self._lock:
                 self._pods.pop(pod.job_id, None)
+        if pod.outcome is not None:
+            await anyio.to_thread.run_sync(pod.backend.forget, pod.job_id)
         outcome = pod.outcome
         assert outcome is not None
         # A pod the worker stopped is not a crash: its flow run is being cancelled.
@@ -286,6 +299,31 @@ class KineticWorker(BaseWorker[KineticJobConfiguration, KineticVariables, Kineti
         else:
             logger.info("Flow-run pod %s: %s.", pod.job_id, outcome.describe())
         return KineticWorkerResult(identifier=pod.job_id, status_code=status)
+
+    async def sync_with_backend(self) -> None:
+        """Prefect's periodic sync, and a pass that forgets flow-run pods no run follows."""
+        await super().sync_with_backend()
+        await anyio.to_thread.run_sync(self._forget_unfollowed)
+
+    def _forget_unfollowed(self) -> None:
+        """Forget every ended job no run follows (a run ended before its pod was seen out)."""
+        with self._lock:
+            backends = list(self._backends.values())
+            followed = set(self._pods)
+        for backend in backends:
+            for job_id in set(backend.kept_jobs()) - followed:
+                backend.forget(job_id)
+
+    def kept_jobs(self) -> list[str]:
+        """The flow-run pods the worker (or its backends) keeps anything about.
+
+        Empty once every flow run it launched has ended: nothing grows with the runs.
+        """
+        with self._lock:
+            backends = list(self._backends.values())
+            followed = list(self._pods)
+        kept = {job_id for backend in backends for job_id in backend.kept_jobs()}
+        return sorted(kept.union(followed))
 
     async def kill_infrastructure(
         self,
@@ -317,11 +355,17 @@ class KineticWorker(BaseWorker[KineticJobConfiguration, KineticVariables, Kineti
         loop: asyncio.AbstractEventLoop,
     ) -> _FlowPod:
         cluster = self._cluster(configuration.cluster)
-        plan = plan_flow_pod(flow_run, configuration, cluster)
-        settings = plan.settings
+        settings = flow_pod_settings(configuration, cluster)
+        # Local flow pods share this machine's key file (`record_key.key_file`).
+        key_secret = None
+        if settings.backend == "gke" and configuration.pool_name:
+            key_secret = record_key_secret(configuration.pool_name)
+        plan = plan_flow_pod(flow_run, configuration, cluster, key_secret)
         jobs_root = settings.resolved_jobs_root()
         self._check_storage(jobs_root, cluster)
         backend = self._backend_for(settings, jobs_root, configuration.cluster, cluster)
+        if key_secret is not None:
+            self._ensure_record_key(backend, settings.namespace, key_secret)
         if settings.ships_environment():
             # The flow pod starts from the stock image too; its environment is planned
             # from the project the worker runs in (its working directory).
@@ -364,6 +408,15 @@ class KineticWorker(BaseWorker[KineticJobConfiguration, KineticVariables, Kineti
             plan.spec.output_dir,
         )
         return pod
+
+    def _ensure_record_key(self, backend: Backend, namespace: str, name: str) -> None:
+        """Create the pool's record-key Secret once; one that exists keeps its key."""
+        from kinetic_prefect.backends.gke.backend import KubernetesBackend
+
+        if isinstance(backend, KubernetesBackend):
+            backend.keep_secret(
+                namespace, name, {RECORD_KEY_SECRET_KEY: token_source.token_hex(32)}
+            )
 
     def _cluster(self, name: str | None) -> Any:
         if not name:

@@ -335,6 +335,120 @@ def test_pod_finishing_while_history_is_compacted_is_noticed_by_relisting(gke, c
     assert [r.resource.plural for r in after_cut if not r.params.get("watch")].count("pods") == 1
 
 
+# -- credentials refused --------------------------------------------------------------------
+
+UNAUTHORIZED = (401, "Unauthorized", "Unauthorized")
+FORBIDDEN_WATCH = (
+    403,
+    "Forbidden",
+    'pods is forbidden: User "system:serviceaccount:default:kinetic-prefect-runner" '
+    'cannot watch resource "pods" in API group "" in the namespace "default"',
+)
+DENIED_TIMEOUT = 2.0
+
+
+def _while_the_pod_runs(
+    cluster: KubeCluster,
+    act: Callable[[], None],
+    gate: Path | None = None,
+    until: Callable[[], bool] = lambda: True,
+    what: str = "",
+) -> Callable[[], None]:
+    """Once the only Job's pod runs: `act`, end every watch (the runner reopens them), and
+    open `gate` once `until` holds."""
+
+    def scenario() -> None:
+        job_id = wait_until(lambda: _only_job_id(cluster), 60, "the Job to be created")
+        wait_until(lambda: _pod_phase(cluster, job_id) == "Running", 60, "the pod to run")
+        act()
+        cluster.cut_watches()
+        if gate is not None:
+            wait_until(until, 30, what)
+            gate.touch()
+
+    return scenario
+
+
+def _watches_reopened_with(cluster: KubeCluster, token: str) -> set[str]:
+    return {
+        r.resource.plural
+        for r in cluster.client_requests()
+        if r.params.get("watch") and r.headers.get("Authorization") == f"Bearer {token}"
+    }
+
+
+def test_a_watch_answered_401_once_fails_no_task(gke, cluster, workdir):
+    gate = workdir / "gate"
+
+    def refuse_once() -> None:
+        cluster.fail_next("get", "pods", *UNAUTHORIZED, watch=True)
+        cluster.fail_next("get", "jobs", *UNAUTHORIZED, watch=True)
+
+    refused = _while_the_pod_runs(
+        cluster,
+        refuse_once,
+        gate,
+        lambda: not cluster.call(lambda: cluster.emulator.faults),
+        "both watches to be refused",
+    )
+    with alongside(refused):
+        result = _gated_flow(_runner(gke), gate)
+
+    assert result == "opened"
+
+
+def test_a_rotated_token_in_the_kubeconfig_is_picked_up_when_the_old_one_is_refused(
+    gke, cluster, workdir
+):
+    gate = workdir / "gate"
+    old_token = cluster.kubeconfig_dict()["users"][0]["user"]["token"]
+
+    def rotate() -> None:
+        rotated = cluster.kubeconfig_dict()
+        rotated["users"][0]["user"]["token"] = "rotated-token"
+        cluster.kubeconfig.write_text(json.dumps(rotated))
+        cluster.refuse(*UNAUTHORIZED, token=old_token)
+
+    rotated = _while_the_pod_runs(
+        cluster,
+        rotate,
+        gate,
+        lambda: _watches_reopened_with(cluster, "rotated-token") == {"jobs", "pods"},
+        "the watches to reopen with the rotated token",
+    )
+    with alongside(rotated):
+        result = _gated_flow(_runner(gke), gate)
+
+    assert result == "opened"
+
+
+def test_credentials_refused_for_good_fail_the_task_after_the_bound_saying_since_when(
+    gke, cluster, workdir
+):
+    refused_at: list[float] = []
+
+    def refuse_for_good() -> None:
+        refused_at.append(time.monotonic())
+        cluster.refuse(*FORBIDDEN_WATCH, watch=True)
+
+    @flow(task_runner=_runner(gke, credentials_denied_timeout_seconds=DENIED_TIMEOUT))
+    def run() -> tuple[str, str]:
+        future = wait_for_gate.submit(str(workdir / "never"))
+        future.wait()
+        return future.state.type.value, future.state.message or ""
+
+    with alongside(_while_the_pod_runs(cluster, refuse_for_good)):
+        state, message = run()
+        failed_at = time.monotonic()
+
+    assert state == "FAILED"
+    assert "the cluster refused the credentials to watch" in message
+    assert re.search(r"since \d{4}-\d\d-\d\dT\d\d:\d\d:\d\d", message)
+    assert "credentials_denied_timeout_seconds=2" in message
+    assert FORBIDDEN_WATCH[2] in message
+    assert failed_at - refused_at[0] >= DENIED_TIMEOUT
+
+
 # -- pods that never start -------------------------------------------------------------------
 
 PENDING_TIMEOUT = 3.0

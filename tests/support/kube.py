@@ -214,6 +214,13 @@ class KubeCluster:
         """Answer the next such request with an error (`ClusterEmulator.fail_next`)."""
         self.call(lambda: self.emulator.fail_next(method, plural, code, reason, message, **kw))
 
+    def refuse(self, code: int, reason: str, message: str, **kw: Any) -> None:
+        """Answer such requests with an error until `stop_refusing` (`ClusterEmulator.refuse`)."""
+        self.call(lambda: self.emulator.refuse(code, reason, message, **kw))
+
+    def stop_refusing(self) -> None:
+        self.call(self.emulator.stop_refusing)
+
     def created_jobs(self) -> list[dict[str, Any]]:
         """Every Job body the API accepted a POST for, exactly as sent."""
         return [body for _, body in self.job_creations()]

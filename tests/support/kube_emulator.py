@@ -5,10 +5,11 @@ API: resourceVersions, label and field selectors, watches that resume from a
 resourceVersion (410 Gone once compacted) or end on a server-side timeout or a
 cut, Foreground deletion (a finalizer the kubelet releases), strategic-merge
 patches of `metadata.ownerReferences` (merged by uid), pod logs, and injected API
-errors (`fail_next`): a request answered with an error Status, as the API server
-writes one, before anything is stored. Every request is authenticated and
-authorized, and pods pass ServiceAccount admission, as kube-apiserver does them
-(tests/support/kube_auth.py).
+errors: a request answered with an error Status, as the API server writes one,
+before anything is stored; once (`fail_next`) or until lifted (`refuse`, e.g. a
+token that was rotated away, or watches the credentials may no longer open).
+Every request is authenticated and authorized, and pods pass ServiceAccount
+admission, as kube-apiserver does them (tests/support/kube_auth.py).
 """
 
 from __future__ import annotations
@@ -80,14 +81,23 @@ class ApiFault:
     message: str
     retry_after: int | None = None
     details: dict[str, Any] | None = None
+    # Only watch requests (True), only other ones (False), or both (None).
+    watch: bool | None = None
+    # Only requests bearing this token (None: any).
+    token: str | None = None
 
     def matches(self, request: kmock.Request) -> bool:
+        """`method` and `plural` may be "*" (any)."""
         resource = request.resource
-        return (
-            resource is not None
-            and request.method.value.upper() == self.method.upper()
-            and resource.plural == self.plural
-        )
+        if resource is None or self.plural not in {"*", resource.plural}:
+            return False
+        if self.method != "*" and request.method.value.upper() != self.method.upper():
+            return False
+        watching = request.params.get("watch", "").lower() in {"true", "1"}
+        if self.watch is not None and watching != self.watch:
+            return False
+        bearer = request.headers.get("Authorization", "")
+        return self.token is None or bearer == f"Bearer {self.token}"
 
     def response(self) -> aiohttp.web.Response:
         """A `Status` object with the fault's code, as kube-apiserver writes errors."""
@@ -152,6 +162,7 @@ class ClusterEmulator(kmock.KubernetesEmulator):
     _cuts: int = attrs.field(default=0, init=False)
     _released: asyncio.Event = attrs.field(factory=asyncio.Event, init=False)
     faults: list[ApiFault] = attrs.field(factory=list, init=False)
+    refusals: list[ApiFault] = attrs.field(factory=list, init=False)
     # time.monotonic() at which each request arrived, by request id.
     arrived_at: dict[int, float] = attrs.field(factory=dict, init=False)
     # Authentication: bearer token -> user; these User-Agents are the cluster's controllers.
@@ -193,20 +204,45 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         message: str,
         retry_after: int | None = None,
         details: dict[str, Any] | None = None,
+        watch: bool | None = None,
     ) -> None:
         """Answer the next `method` request on `plural` with an error, storing nothing.
 
         Faults queue up: each answers one request, in the order they were added.
         `retry_after` sets the Retry-After header and the Status' `retryAfterSeconds`,
-        as the API server's priority and fairness does with a 429.
+        as the API server's priority and fairness does with a 429. `watch=True` answers
+        only a watch (a GET with `watch=true`), `watch=False` only other requests.
         """
-        self.faults.append(ApiFault(method, plural, code, reason, message, retry_after, details))
+        fault = ApiFault(method, plural, code, reason, message, retry_after, details, watch)
+        self.faults.append(fault)
+
+    def refuse(
+        self,
+        code: int,
+        reason: str,
+        message: str,
+        method: str = "*",
+        plural: str = "*",
+        watch: bool | None = None,
+        token: str | None = None,
+    ) -> None:
+        """Answer every matching request with an error until `stop_refusing()`.
+
+        `token` refuses only requests bearing it (a rotated-away token); `watch` as in
+        `fail_next`.
+        """
+        self.refusals.append(
+            ApiFault(method, plural, code, reason, message, None, None, watch, token)
+        )
+
+    def stop_refusing(self) -> None:
+        self.refusals.clear()
 
     def _take_fault(self, request: kmock.Request) -> ApiFault | None:
         for index, fault in enumerate(self.faults):
             if fault.matches(request):
                 return self.faults.pop(index)
-        return None
+        return next((fault for fault in self.refusals if fault.matches(request)), None)
 
     # -- state changes --------------------------------------------------------------
 

@@ -23,7 +23,7 @@ A container's environment is what its image sets plus its manifest's env, never
 the environment of whoever created the Job. So a pod run here starts from
 `image_env()`, what a python image sets: `PATH` (the bare interpreter's directory
 first, standing in for the image's `/usr/local/bin`, then the system
-directories), `HOME` (a directory of the kubelet's own, as a fresh container
+directories), `HOME` (an empty directory of each pod's own, as a fresh container
 filesystem has) and `LANG=C.UTF-8`; then its manifest's env; then `KUBECONFIG`,
 the test-only stand-in for a mounted service-account token (tests/support/pod_env.py).
 Anything else a pod needs, such as the GCS emulator's address, must travel in
@@ -336,8 +336,15 @@ class Kubelet:
             self._spawn(self._simulate_end(pod))
             return
         manifest = copy.deepcopy(job)
-        manifest["spec"]["template"]["spec"]["containers"][0].setdefault("env", []).append(
-            {"name": "KUBECONFIG", "value": self._pod_kubeconfig(pod, template["spec"])}
+        # Each container starts with a filesystem of its own: nothing one pod leaves in
+        # its home (a Prefect home, a key file) is there for the next.
+        home = self.workspace / "homes" / pod.names[0]
+        home.mkdir(parents=True, exist_ok=True)
+        manifest["spec"]["template"]["spec"]["containers"][0].setdefault("env", []).extend(
+            [
+                {"name": "KUBECONFIG", "value": self._pod_kubeconfig(pod, template["spec"])},
+                {"name": "HOME", "value": str(home)},
+            ]
         )
         self.local.launch(
             manifest, on_exit=lambda outcome: self._exited(pod, outcome), secrets=values

@@ -8,6 +8,7 @@ through the manifest's Secret refs.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -22,6 +23,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import anyio
 import kubernetes_validate
 import pytest
 import yaml
@@ -42,7 +44,7 @@ from prefect.settings import (
     PREFECT_API_URL,
     temporary_settings,
 )
-from prefect.states import Cancelling
+from prefect.states import Cancelling, Scheduled
 
 from kinetic_prefect.common.records import FINAL_STATE_JSON, FinalRecord
 from kinetic_prefect.launch.manifest import (
@@ -52,6 +54,7 @@ from kinetic_prefect.launch.manifest import (
     LABEL_TASK_RUN_ID,
     container_of,
 )
+from kinetic_prefect.worker.flow_pod import record_key_secret
 from kinetic_prefect.worker.worker import KineticJobConfiguration, KineticWorker, plan_flow_pod
 from tests.support import deployed_flows
 from tests.support.pod_env import service_account_token
@@ -98,7 +101,7 @@ class Stack:
         return self.jobs_root / "outputs"
 
 
-def pod_processes(outputs: Path, flow_run_id: object = None) -> dict[int, str]:
+def pod_processes(outputs: Path | str, flow_run_id: object = None) -> dict[int, str]:
     """Live processes of the flow run's pods (all runs' without an id), pid -> output key.
 
     Every process of a pod carries the pod's `KINETIC_OUTPUT_DIR`,
@@ -214,6 +217,21 @@ def pod_job_id(client: Any, task_run_id: uuid.UUID) -> str:
 FRESH_TASK_PODS = {"env": {"KINETIC_LOCAL_TEMPLATE": "0"}}
 
 
+def deploy_sweep(client: Any, name: str, pool: str, **options: Any) -> uuid.UUID:
+    """Another deployment of the sweep's flow and code, in `pool`."""
+    sweep = client.read_deployment_by_name(SWEEP)
+    deployment_id: uuid.UUID = client.create_deployment(
+        flow_id=sweep.flow_id,
+        name=name,
+        work_pool_name=pool,
+        entrypoint=sweep.entrypoint,
+        pull_steps=sweep.pull_steps,
+        parameter_openapi_schema=sweep.parameter_openapi_schema,
+        **options,
+    )
+    return deployment_id
+
+
 def run_sweep(client: Any, parameters: dict[str, Any], **job_variables: Any) -> FlowRun:
     deployment = client.read_deployment_by_name(SWEEP)
     return client.create_flow_run_from_deployment(
@@ -282,18 +300,14 @@ def test_deployed_sweep_runs_in_a_flow_pod_whose_tasks_run_in_pods_of_their_own(
 
 def test_interval_schedule_runs_are_created_by_the_scheduler_and_run_by_the_worker(stack: Stack):
     with stack.server.client() as client:
-        sweep = client.read_deployment_by_name(SWEEP)
         # Daily, first due in a few seconds: exactly one run falls due during the test.
         schedule = IntervalSchedule(
             interval=timedelta(days=1), anchor_date=datetime.now(UTC) + timedelta(seconds=5)
         )
-        deployment_id = client.create_deployment(
-            flow_id=sweep.flow_id,
-            name="daily-sweep",
-            work_pool_name=POOL,
-            entrypoint=sweep.entrypoint,
-            pull_steps=sweep.pull_steps,
-            parameter_openapi_schema=sweep.parameter_openapi_schema,
+        deployment_id = deploy_sweep(
+            client,
+            "daily-sweep",
+            POOL,
             parameters=ONE_TRIAL,
             schedules=[DeploymentScheduleCreate(schedule=schedule, active=True)],
         )
@@ -388,6 +402,54 @@ def test_a_flow_pod_past_its_deadline_is_stopped_with_its_pods_and_its_run_crash
     assert f"deadline of {DEADLINE_SECONDS}s" in final.message
 
 
+IN_PROCESS_POOL = "kinetic-in-process"
+
+
+async def _work_through(flow_run_ids: list[uuid.UUID], server: PrefectServer) -> list[str]:
+    """Run a worker of `IN_PROCESS_POOL` in this process until the runs end and their pods
+    are forgotten; what it still keeps about flow-run pods then."""
+
+    def runs_final() -> bool:
+        with server.client() as client:
+            states = [client.read_flow_run(run_id).state for run_id in flow_run_ids]
+        return all(state is not None and state.is_final() for state in states)
+
+    async with KineticWorker(work_pool_name=IN_PROCESS_POOL) as worker:
+        submitted = await worker.get_and_submit_flow_runs()
+        assert {run.id for run in submitted} == set(flow_run_ids)
+        await anyio.to_thread.run_sync(wait_until, runs_final, FLOW_RUN_TIMEOUT, "the runs to end")
+        await anyio.to_thread.run_sync(
+            wait_until,
+            lambda: not worker.kept_jobs(),
+            60,
+            "the worker to forget every flow-run pod that ended",
+        )
+        return worker.kept_jobs()
+
+
+def test_the_worker_keeps_nothing_about_flow_runs_that_have_ended(
+    stack: Stack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KINETIC_JOBS_ROOT", str(tmp_path / ".kinetic"))
+    stack.server.cli("work-pool", "create", "--type", "kinetic", IN_PROCESS_POOL)
+    with stack.server.client() as client:
+        deployment_id = deploy_sweep(client, "sweep-in-process", IN_PROCESS_POOL)
+        runs = [
+            client.create_flow_run_from_deployment(deployment_id, parameters=ONE_TRIAL)
+            for _ in range(3)
+        ]
+
+    with client_of(stack.server):
+        kept = asyncio.run(_work_through([run.id for run in runs], stack.server))
+    with stack.server.client() as client:
+        finals = [client.read_flow_run(run.id).state for run in runs]
+        client.delete_deployment(deployment_id)
+
+    assert [state.type.value for state in finals] == ["COMPLETED"] * 3
+    assert kept == []
+
+
 def rbac_service_accounts() -> tuple[str, str]:
     """(flow pods' account, task pods' account) as deployments/k8s/rbac.yaml ships them.
 
@@ -404,16 +466,19 @@ def rbac_service_accounts() -> tuple[str, str]:
     return runner, pods
 
 
-def test_deployed_flow_on_gke_runs_as_the_runner_account_and_launches_its_task_pods_there(
-    stack: Stack, gcs, cluster, suite_environment, tmp_path: Path
-):
-    from prefect.utilities.callables import parameter_schema
+@contextlib.contextmanager
+def gke_pool_worker(stack: Stack, gcs: Any, worker_dir: Path) -> Iterator[Any]:
+    """A `GKE_POOL` worker whose flow pods run on the emulated cluster; yields a client.
+
+    The pool's deployments name the gke `KineticCluster` saved here, on the suite's
+    shipped environment.
+    """
     from prefect_gcp.cloud_storage import GcsBucket
 
     from kinetic_prefect.blocks import KineticCluster, KineticGcpCredentials
     from tests.support.clusters import SHIPPED_REQUIREMENTS
 
-    runner_account, pods_account = rbac_service_accounts()
+    _, pods_account = rbac_service_accounts()
     server = stack.server
     with client_of(server):
         GcsBucket(
@@ -431,23 +496,38 @@ def test_deployed_flow_on_gke_runs_as_the_runner_account_and_launches_its_task_p
             environment_store=gcs.environment_store,
             accelerator_extras=[],
         ).save(deployed_flows.GKE_CLUSTER, overwrite=True)
-    server.cli("work-pool", "create", "--type", "kinetic", GKE_POOL)
-    worker_dir = tmp_path / "gke-worker"
+    server.cli("work-pool", "create", "--type", "kinetic", "--overwrite", GKE_POOL)
     worker_dir.mkdir()
     with (
         server.client() as client,
         prefect_worker(server, GKE_POOL, "kinetic", worker_dir, KINETIC_ALLOW_LOOPBACK_API="true"),
     ):
-        sweep = client.read_deployment_by_name(SWEEP)
-        deployment_id = client.create_deployment(
-            flow_id=client.create_flow_from_name(deployed_flows.cubes_on_gke.name),
-            name="cubes-on-gke",
-            work_pool_name=GKE_POOL,
-            entrypoint="tests/support/deployed_flows.py:cubes_on_gke",
-            pull_steps=sweep.pull_steps,
-            parameter_openapi_schema=parameter_schema(deployed_flows.cubes_on_gke).model_dump(),
-            job_variables={"cluster": deployed_flows.GKE_CLUSTER},
-        )
+        yield client
+
+
+def deploy_to_gke_pool(client: Any, flow: Any, entrypoint: str) -> uuid.UUID:
+    from prefect.utilities.callables import parameter_schema
+
+    sweep = client.read_deployment_by_name(SWEEP)
+    deployment_id: uuid.UUID = client.create_deployment(
+        flow_id=client.create_flow_from_name(flow.name),
+        name=flow.name,
+        work_pool_name=GKE_POOL,
+        entrypoint=f"tests/support/deployed_flows.py:{entrypoint}",
+        pull_steps=sweep.pull_steps,
+        parameter_openapi_schema=parameter_schema(flow).model_dump(),
+        job_variables={"cluster": deployed_flows.GKE_CLUSTER},
+    )
+    return deployment_id
+
+
+def test_deployed_flow_on_gke_runs_as_the_runner_account_and_launches_its_task_pods_there(
+    stack: Stack, gcs, cluster, suite_environment, tmp_path: Path
+):
+    runner_account, pods_account = rbac_service_accounts()
+    server = stack.server
+    with gke_pool_worker(stack, gcs, tmp_path / "gke-worker") as client:
+        deployment_id = deploy_to_gke_pool(client, deployed_flows.cubes_on_gke, "cubes_on_gke")
         flow_run = client.create_flow_run_from_deployment(deployment_id, parameters={"xs": [2, 3]})
         final = wait_for_final_state(stack, client, flow_run.id)
         flow_job = client.read_flow_run(flow_run.id).infrastructure_pid
@@ -475,6 +555,71 @@ def test_deployed_flow_on_gke_runs_as_the_runner_account_and_launches_its_task_p
         pods_account
     }
     assert {token for token, _ in task_jobs} == {service_account_token("default", runner_account)}
+
+
+def _running_task_pod(cluster: Any, flow_run_id: uuid.UUID) -> str | None:
+    """The Job name of the flow run's task pod once it runs."""
+    for pod in cluster.pods():
+        labels = pod["metadata"].get("labels") or {}
+        running = (pod.get("status") or {}).get("phase") == "Running"
+        ours = labels.get(LABEL_FLOW_RUN_ID) == str(flow_run_id)
+        if running and ours and LABEL_TASK_RUN_ID in labels:
+            return str(labels[LABEL_JOB_ID])
+    return None
+
+
+def _kill_flow_pod(gcs: Any, flow_run_id: uuid.UUID) -> None:
+    """SIGKILL every process of the flow run's flow pod (the flow runs in a group of its own)."""
+    processes = pod_processes(f"{gcs.uri}/outputs", flow_run_id)
+    flow_pids = [pid for pid, key in processes.items() if key == "flow"]
+    assert flow_pids, processes
+    for pid in flow_pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _reattached(client: Any, flow_run_id: uuid.UUID) -> bool:
+    return any(
+        (run.state and run.state.message or "").startswith("Reattached")
+        for run in task_runs_of(client, flow_run_id)
+    )
+
+
+def test_a_flow_pod_restarted_for_its_flow_run_reattaches_to_its_running_task_pod(
+    stack: Stack, gcs, cluster, suite_environment, tmp_path: Path
+):
+    gate = tmp_path / "gate"
+    with gke_pool_worker(stack, gcs, tmp_path / "gke-worker") as client:
+        deployment_id = deploy_to_gke_pool(
+            client, deployed_flows.gated_cube_on_gke, "gated_cube_on_gke"
+        )
+        flow_run = client.create_flow_run_from_deployment(
+            deployment_id, parameters={"x": 2, "gate": str(gate)}
+        )
+        task_job = wait_until(
+            lambda: _running_task_pod(cluster, flow_run.id), FLOW_RUN_TIMEOUT, "the task pod"
+        )
+        _kill_flow_pod(gcs, flow_run.id)
+        crashed = wait_for_final_state(stack, client, flow_run.id)
+        # What a retry of the crashed flow run does: the worker gives it a new flow pod.
+        client.set_flow_run_state(flow_run.id, Scheduled(), force=True)
+        wait_until(lambda: _reattached(client, flow_run.id), FLOW_RUN_TIMEOUT, "a reattach")
+        gate.touch()
+        final = wait_for_final_state(stack, client, flow_run.id)
+    with client_of(stack.server):
+        result = final.result()
+
+    created = cluster.created_jobs()
+    flow_jobs = [job for job in created if LABEL_TASK_RUN_ID not in job["metadata"]["labels"]]
+    task_jobs = [job for job in created if LABEL_TASK_RUN_ID in job["metadata"]["labels"]]
+    key_secret = cluster.secret("default", f"kinetic-record-key-{GKE_POOL}")
+    assert crashed.is_crashed(), crashed.message
+    assert final.is_completed(), final.message
+    assert result == 8
+    assert len(flow_jobs) == 2
+    assert [job["metadata"]["name"] for job in task_jobs] == [task_job]
+    assert key_secret is not None and "record-key" in key_secret["data"]
+    assert "ownerReferences" not in key_secret["metadata"]
 
 
 # -- the flow pod's manifest -----------------------------------------------------------
@@ -593,6 +738,45 @@ def test_flow_pod_runs_as_the_runner_with_its_token_and_its_task_pods_keep_the_c
     assert pod_spec["serviceAccountName"] == "kinetic-prefect-runner"
     assert pod_spec["automountServiceAccountToken"] is True
     assert env["KINETIC_SERVICE_ACCOUNT"] == "kinetic-prefect-pods"
+
+
+def test_flow_pod_hands_its_credentials_bound_down_to_the_flows_task_pods(prepared, monkeypatch):
+    flow_run, configuration = prepared
+    monkeypatch.setenv("KINETIC_CREDENTIALS_DENIED_TIMEOUT_SECONDS", "600")
+
+    manifest = plan_flow_pod(flow_run, configuration).manifest
+
+    env = {item["name"]: item.get("value") for item in container_of(manifest)["env"]}
+    assert env["KINETIC_CREDENTIALS_DENIED_TIMEOUT_SECONDS"] == "600.0"
+
+
+def test_a_gke_flow_pod_reads_its_record_key_from_its_pools_secret(prepared):
+    flow_run, configuration = prepared
+
+    manifest = plan_flow_pod(flow_run, configuration, None, record_key_secret("gpu-pool")).manifest
+
+    env = {item["name"]: item for item in container_of(manifest)["env"]}
+    assert env["KINETIC_RECORD_KEY"]["valueFrom"]["secretKeyRef"] == {
+        "name": "kinetic-record-key-gpu-pool",
+        "key": "record-key",
+    }
+
+
+def test_a_record_key_set_in_the_env_job_variable_wins_over_the_pools_secret(prepared):
+    flow_run, configuration = prepared
+    configuration.env["KINETIC_RECORD_KEY"] = "k" * 64
+
+    manifest = plan_flow_pod(flow_run, configuration, None, record_key_secret("gpu-pool")).manifest
+
+    env = [item for item in container_of(manifest)["env"] if item["name"] == "KINETIC_RECORD_KEY"]
+    assert env == [{"name": "KINETIC_RECORD_KEY", "value": "k" * 64}]
+
+
+def test_pool_names_that_are_not_dns_names_get_distinct_dns_secret_names():
+    names = {record_key_secret(pool) for pool in ("GPU pool", "gpu-pool", "gpu_pool")}
+
+    assert len(names) == 3
+    assert all(re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", name) for name in names)
 
 
 def test_kinetic_worker_is_the_kinetic_work_pool_type():

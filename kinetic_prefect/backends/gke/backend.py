@@ -38,6 +38,7 @@ from kinetic_prefect.backends.gke.client import (
     connect,
     create_idempotently,
     pods_of_job,
+    put_secret,
     read_json,
 )
 from kinetic_prefect.backends.gke.ending import JobEnding
@@ -47,7 +48,7 @@ from kinetic_prefect.backends.gke.outcomes import SETTLE_MARGIN_SECONDS, Outcome
 from kinetic_prefect.backends.gke.secrets import JobSecrets
 from kinetic_prefect.backends.gke.slice import create_services
 from kinetic_prefect.backends.gke.status import true_condition
-from kinetic_prefect.backends.gke.watch import JobWatch, TrackedJob
+from kinetic_prefect.backends.gke.watch import CREDENTIALS_DENIED_SECONDS, JobWatch, TrackedJob
 from kinetic_prefect.common.storage import open_store
 from kinetic_prefect.launch.manifest import (
     LABEL_FLOW_RUN_ID,
@@ -63,6 +64,8 @@ logger = get_logger("kinetic_prefect.backends.gke.backend")
 
 # Which backend instance (runner) owns a Job: its watch selects on this label only.
 LABEL_RUNNER = "kinetic-prefect.io/runner"
+# A Secret no Job owns and no cleanup removes (a work pool's record key).
+LABEL_KEPT_SECRET = "kinetic-prefect.io/kept"
 
 
 # A finished Job is trusted to exist (and to keep its Secret) for this share of its TTL.
@@ -91,6 +94,7 @@ class KubernetesBackend(JobEnding):
         pending_timeout_seconds: float = 600.0,
         cancel_grace_seconds: float = 10.0,
         kube_context: str | None = None,
+        credentials_denied_timeout_seconds: float = CREDENTIALS_DENIED_SECONDS,
     ) -> None:
         self.jobs_root = jobs_root
         self.cluster = cluster
@@ -126,7 +130,12 @@ class KubernetesBackend(JobEnding):
             probe_events=lambda job: self._runtime.spawn(self._probe_events(job)),
         )
         self._watch = JobWatch(
-            self.selector, self._jobs, self._outcomes.evaluate, self._start_failing
+            self.selector,
+            self._jobs,
+            self._outcomes.evaluate,
+            self._start_failing,
+            self._reload_credentials,
+            credentials_denied_timeout_seconds,
         )
 
     # -- public API (any thread but the loop's) ---------------------------------------
@@ -203,6 +212,25 @@ class KubernetesBackend(JobEnding):
         self._runtime.call(self._connect())
         return str(self._runtime.call(self._logs(job_id, tail)))
 
+    def keep_secret(self, namespace: str, name: str, values: dict[str, str]) -> None:
+        """Create a Secret that outlives every Job (no owners, no managed-by label).
+
+        One that exists already is kept as it is, unread: its values win over `values`.
+        """
+        self._runtime.start()
+        self._runtime.call(self._connect())
+        labels = {LABEL_KEPT_SECRET: "true"}
+        self._runtime.call(put_secret(self._core, namespace, name, values, labels=labels))
+
+    def forget(self, job_id: str) -> None:
+        if self._runtime.started:
+            self._runtime.call(self._forget(job_id))
+
+    def kept_jobs(self) -> list[str]:
+        if not self._runtime.started:
+            return []
+        return list(self._runtime.call(self._kept_jobs()))
+
     def close(self) -> None:
         """Cancel every job still running, wait for their exits, and stop the watcher."""
         with self._lock:
@@ -230,6 +258,19 @@ class KubernetesBackend(JobEnding):
                 self._runtime.spawn(access.keep_token_fresh())
                 self._runtime.spawn(self._outcomes.run())
         return self._access
+
+    async def _forget(self, job_id: str) -> None:
+        job = self._jobs.get(job_id)
+        if job is not None and job.done:
+            del self._jobs[job_id]
+            self._secrets.forget_gone_owners()
+
+    async def _kept_jobs(self) -> list[str]:
+        return list(self._jobs)
+
+    async def _reload_credentials(self) -> None:
+        if self._access is not None:
+            await self._access.reload_credentials()
 
     async def _close_access(self) -> None:
         if self._access is not None:

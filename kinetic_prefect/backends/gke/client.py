@@ -22,6 +22,11 @@ Where the credentials come from, first match wins:
 3. the local kubeconfig (`$KUBECONFIG` or `~/.kube/config`), its current context or
    `kube_context` (`KINETIC_KUBE_CONTEXT`).
 
+`ClusterAccess.reload_credentials` reads them again from the same place, as
+kubernetes-asyncio's loaders do on first use: the kubeconfig file as it is now, the
+mounted service-account token (GKE's bound tokens rotate hourly), or the block's
+exec/gcp provider asked for a new token.
+
 Everything here is asyncio: call it on the loop that owns the client.
 """
 
@@ -67,6 +72,10 @@ _NO_ACCESS_HINT = (
 )
 
 
+# Sets a client Configuration's server and credentials; returns the kubeconfig loader, if any.
+LoadCredentials = Callable[[Any], Awaitable[Any]]
+
+
 @dataclass
 class ClusterAccess:
     """A configured API client and where its credentials came from."""
@@ -76,6 +85,19 @@ class ClusterAccess:
     server: str | None
     context: str | None = None
     _loader: Any = field(default=None, repr=False)
+    _load: LoadCredentials | None = field(default=None, repr=False)
+
+    async def reload_credentials(self) -> None:
+        """Read the credentials again from their source, into the client in use.
+
+        For a token the API server stopped accepting (rotated, expired): every request
+        made after this carries whatever the source holds now.
+        """
+        if self._load is None:
+            return
+        loader = await self._load(self.client.configuration)
+        if loader is not None:
+            self._loader = loader
 
     async def keep_token_fresh(self) -> None:
         """Refresh short-lived exec/gcp tokens for as long as the client lives."""
@@ -109,58 +131,58 @@ async def connect(cluster: Any = None, context: str | None = None) -> ClusterAcc
     """
     kube_config = getattr(cluster, "kube_config", None) if cluster is not None else None
     if kube_config is not None:
-        configuration = client.Configuration()
-        try:
-            loader = await config.load_kube_config_from_dict(
-                config_dict=kube_config.config,
-                context=context or kube_config.context_name,
-                client_configuration=configuration,
+        name = context or kube_config.context_name
+
+        async def load_block(configuration: Any) -> Any:
+            return await config.load_kube_config_from_dict(
+                config_dict=kube_config.config, context=name, client_configuration=configuration
             )
+
+        try:
+            return await _access(load_block, "the KineticCluster's kube_config")
         except (ConfigException, KeyError, AssertionError) as exc:
             raise ConfigurationError(
                 f"The KineticCluster's kube_config cannot be used: {exc}. Recreate it with "
                 "KubernetesClusterConfig.from_file(context_name=...)."
             ) from exc
-        name = context or kube_config.context_name
-        return ClusterAccess(
-            client.ApiClient(configuration),
-            f"the KineticCluster's kube_config (context {name})",
-            configuration.host,
-            name,
-            loader,
-        )
     if os.environ.get("KUBERNETES_SERVICE_HOST"):
-        configuration = client.Configuration()
-        try:
+
+        async def load_in_cluster(configuration: Any) -> None:
             config.load_incluster_config(client_configuration=configuration)
+
+        try:
+            return await _access(load_in_cluster, "in-cluster config")
         except ConfigException as exc:
             logger.debug("In-cluster config unusable: %s", exc)
-        else:
-            return ClusterAccess(
-                client.ApiClient(configuration), "in-cluster config", configuration.host
-            )
     path = kubeconfig_path()
     if not os.path.exists(path):
         raise ConfigurationError(f"No Kubernetes cluster configured (no {path}). {_NO_ACCESS_HINT}")
-    configuration = client.Configuration()
-    try:
-        loader = await config.load_kube_config(
+
+    async def load_file(configuration: Any) -> Any:
+        return await config.load_kube_config(
             config_file=path,
             context=context,
             client_configuration=configuration,
             persist_config=False,
         )
+
+    try:
+        return await _access(load_file, f"kubeconfig {path}")
     except (ConfigException, KeyError, AssertionError, TypeError) as exc:
         raise ConfigurationError(
             f"The kubeconfig {path} cannot be used: {exc}. {_NO_ACCESS_HINT}"
         ) from exc
-    name = (loader.current_context or {}).get("name")
+
+
+async def _access(load: LoadCredentials, source: str) -> ClusterAccess:
+    """A client configured by `load`, which also serves to reload its credentials."""
+    configuration = client.Configuration()
+    loader = await load(configuration)
+    name = (loader.current_context or {}).get("name") if loader is not None else None
+    if name:
+        source = f"{source} (context {name})"
     return ClusterAccess(
-        client.ApiClient(configuration),
-        f"kubeconfig {path} (context {name})",
-        configuration.host,
-        name,
-        loader,
+        client.ApiClient(configuration), source, configuration.host, name, loader, load
     )
 
 
@@ -415,18 +437,20 @@ async def put_secret(
     name: str,
     values: Mapping[str, str],
     owners: Sequence[Mapping[str, Any]] = (),
+    labels: Mapping[str, str] | None = None,
 ) -> None:
     """Create the Opaque Secret `name` holding `values`, owned by the Jobs `owners` names.
 
     Names are digests of their contents (`kinetic_prefect.launch.pod_secrets`), so an
     existing Secret of that name already holds these values: it is never read, and the
-    runner needs no `get` on Secrets.
+    runner needs no `get` on Secrets. Its labels default to the managed-by label
+    (`kinetic-prefect jobs cleanup` removes such Secrets once no Job owns them).
     """
     data = {k: base64.b64encode(v.encode()).decode() for k, v in values.items()}
     metadata: dict[str, Any] = {
         "name": name,
         "namespace": namespace,
-        "labels": {LABEL_MANAGED_BY: MANAGED_BY},
+        "labels": dict(labels) if labels is not None else {LABEL_MANAGED_BY: MANAGED_BY},
     }
     if owners:
         metadata["ownerReferences"] = [dict(owner) for owner in owners]

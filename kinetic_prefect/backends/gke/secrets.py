@@ -64,8 +64,10 @@ class _SharedSecret:
     namespace: str
     name: str
     values: Mapping[str, str]
-    # Owner references by Job name: patched in, or on their way (`waiting`).
+    # Owner references by Job name: patched in, or on their way (`waiting`); those
+    # that cannot exist any more are dropped (`owned` remembers there were some).
     owners: dict[str, dict[str, Any]] = field(default_factory=dict)
+    owned: bool = False
     waiting: list[dict[str, Any]] = field(default_factory=list)
     flushing: asyncio.Task[None] | None = None
 
@@ -97,6 +99,7 @@ class JobSecrets:
                     self._secrets[(namespace, name)] = _SharedSecret(namespace, name, values)
                 else:
                     known.owners.clear()
+                    known.owned = False
 
     def add_owner(
         self, core: Any, namespace: str, names: Sequence[str], job: Mapping[str, Any]
@@ -108,6 +111,7 @@ class JobSecrets:
             if secret is None or self._closing:
                 continue
             secret.owners[reference["name"]] = reference
+            secret.owned = True
             secret.waiting.append(reference)
             if secret.flushing is None or secret.flushing.done():
                 secret.flushing = asyncio.get_running_loop().create_task(
@@ -126,9 +130,19 @@ class JobSecrets:
                 logger.warning("Could not delete Secret %s/%s", namespace, name, exc_info=True)
         self._secrets.clear()
 
+    def forget_gone_owners(self) -> None:
+        """Drop the owners that cannot exist any more (the backend forgot them)."""
+        for secret in self._secrets.values():
+            secret.owners = {
+                job: ref
+                for job, ref in secret.owners.items()
+                if self._may_exist(secret.namespace, job)
+                or any(waiting is ref for waiting in secret.waiting)
+            }
+
     def _maybe_collected(self, secret: _SharedSecret) -> bool:
         """Whether it had owners and all of them may be gone (so may the Secret be)."""
-        return bool(secret.owners) and not any(
+        return secret.owned and not any(
             self._may_exist(secret.namespace, job) for job in secret.owners
         )
 

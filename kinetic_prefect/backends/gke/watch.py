@@ -8,14 +8,23 @@ resourceVersion it saw; on 410 Gone it relists and reconciles every job it track
 against the listing, so a pod that finished (or vanished) in the gap is still
 noticed. Every event carries the object's whole state; after each one the job's
 owner re-evaluates it from what was last seen of its Job and pod.
+
+A stream answered 401 or 403 re-reads the credentials from where they came from
+(a rotated token, a refreshed kubeconfig; `ClusterAccess.reload_credentials`)
+and resumes from its last resourceVersion, backing off. Only a job whose stream
+stays refused for `credentials_denied_timeout_seconds` (default
+`CREDENTIALS_DENIED_SECONDS`, counted from the first refusal or the job's
+creation, whichever is later) fails, saying since when the credentials are refused.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import datetime
 import json
-from collections.abc import Callable, Coroutine, Mapping
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,11 +36,28 @@ from kinetic_prefect.backends.base import OnExit, OnPending
 from kinetic_prefect.backends.gke.client import api_error_message, read_json
 from kinetic_prefect.backends.gke.slice import slice_pod
 from kinetic_prefect.launch.manifest import LABEL_JOB_ID
+from kinetic_prefect.launch.settings import LaunchSettings
 
 logger = get_logger("kinetic_prefect.backends.gke.watch")
 
 # The API server ends a watch after at most this long; the watcher then resumes.
 WATCH_TIMEOUT_SECONDS = 300
+# How long a stream may stay refused (401/403) before its jobs fail (two minutes): longer
+# than a rotated token takes to reach a kubeconfig or a mounted token file.
+CREDENTIALS_DENIED_SECONDS = LaunchSettings.credentials_denied_timeout_seconds
+_DENIED_STATUSES = frozenset({401, 403})
+
+
+@dataclass(frozen=True)
+class _Refusal:
+    """When a stream was first refused, by the two clocks (one to measure, one to tell)."""
+
+    monotonic: float
+    wall: datetime.datetime
+
+    @classmethod
+    def now(cls) -> _Refusal:
+        return cls(time.monotonic(), datetime.datetime.now(datetime.UTC))
 
 
 @dataclass
@@ -77,8 +103,9 @@ class JobWatch:
     """Keeps the Job and pod of every tracked job current; see the module docstring.
 
     `on_change(job)` is called after each change to a job's Job or pod;
-    `on_denied(job, reason)` for each live job of a namespace the credentials may
-    not watch (without a watch no exit would ever be seen).
+    `reload_credentials()` when a stream is refused; `on_denied(job, reason)` for
+    each live job of a namespace the credentials have not been allowed to watch for
+    `denied_timeout_seconds` (without a watch no exit would ever be seen).
     """
 
     def __init__(
@@ -87,11 +114,15 @@ class JobWatch:
         jobs: Mapping[str, TrackedJob],
         on_change: Callable[[TrackedJob], None],
         on_denied: Callable[[TrackedJob, str], None],
+        reload_credentials: Callable[[], Awaitable[None]],
+        denied_timeout_seconds: float = CREDENTIALS_DENIED_SECONDS,
     ) -> None:
         self.selector = selector
         self._jobs = jobs
         self._on_change = on_change
         self._on_denied = on_denied
+        self._reload_credentials = reload_credentials
+        self.denied_timeout_seconds = denied_timeout_seconds
         self._namespaces: set[str] = set()
         self._create_seq = 0
 
@@ -119,10 +150,12 @@ class JobWatch:
         """List, then watch from the listing's version; resume (or relist) whenever it breaks."""
         version: str | None = None
         backoff = 0.1
+        refused: _Refusal | None = None
         while True:
             try:
                 if version is None:
                     version = await self._relist(namespace, kind, list_fn)
+                    refused = None
                 response = await self._open_watch(namespace, list_fn, version)
                 try:
                     if response.status == 410:
@@ -130,7 +163,7 @@ class JobWatch:
                         continue
                     if response.status != 200:
                         raise ApiException(status=response.status, reason=await response.text())
-                    backoff = 0.1
+                    backoff, refused = 0.1, None
                     version = await self._follow(kind, response, version)
                 finally:
                     response.release()
@@ -140,7 +173,13 @@ class JobWatch:
                 if isinstance(exc, ApiException) and exc.status == 410:
                     version = None
                     continue
-                self._on_broken_watch(namespace, kind, exc)
+                if isinstance(exc, ApiException) and exc.status in _DENIED_STATUSES:
+                    refused = refused or _Refusal.now()
+                    await self._on_refused(namespace, kind, exc, refused)
+                else:
+                    logger.warning(
+                        "The %s watch in namespace %s broke (%s); resuming", kind, namespace, exc
+                    )
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
 
@@ -184,16 +223,37 @@ class JobWatch:
             if event.get("type") != "BOOKMARK":
                 self._on_event(kind, str(event.get("type")), obj)
 
-    def _on_broken_watch(self, namespace: str, kind: str, exc: Exception) -> None:
-        """A watch that broke is resumed; one that was denied fails the namespace's live jobs."""
-        if isinstance(exc, ApiException) and exc.status in {401, 403}:
-            reason = f"cannot watch {kind}s in namespace {namespace}: {api_error_message(exc)}"
-            logger.error("%s", reason)
-            for job in list(self._jobs.values()):
-                live = not job.done and not job.failing_to_start and job.created
-                if job.namespace == namespace and live:
-                    self._on_denied(job, reason)
-        logger.warning("The %s watch in namespace %s broke (%s); resuming", kind, namespace, exc)
+    async def _on_refused(
+        self, namespace: str, kind: str, exc: ApiException, refused: _Refusal
+    ) -> None:
+        """Fail the jobs refused for longer than the bound; read the credentials again."""
+        now = time.monotonic()
+        since = refused.wall.isoformat(timespec="seconds")
+        for job in list(self._jobs.values()):
+            live = not job.done and not job.failing_to_start and job.created
+            if job.namespace != namespace or not live:
+                continue
+            waited = now - max(refused.monotonic, job.created_at)
+            if waited >= self.denied_timeout_seconds:
+                self._on_denied(
+                    job,
+                    f"the cluster refused the credentials to watch {kind}s in namespace "
+                    f"{namespace} since {since} ({waited:.0f}s, longer than "
+                    f"credentials_denied_timeout_seconds={self.denied_timeout_seconds:g}; "
+                    f"the Job was deleted): {api_error_message(exc)}",
+                )
+        logger.warning(
+            "The %s watch in namespace %s is refused since %s (%s); reading the credentials "
+            "again and retrying",
+            kind,
+            namespace,
+            since,
+            api_error_message(exc),
+        )
+        try:
+            await self._reload_credentials()
+        except Exception as reload_error:
+            logger.warning("Could not read the credentials again: %s", reload_error)
 
     def _reconcile(
         self, namespace: str, kind: str, items: list[dict[str, Any]], seen_seq: int

@@ -327,6 +327,16 @@ class LocalBackend:
     def _log_path(self, job_id: str, host: int) -> Path:
         return self.workspace / (f"{job_id}.log" if host == 0 else f"{job_id}.host{host}.log")
 
+    def forget(self, job_id: str) -> None:
+        with self._lock:
+            pod = self._known.get(job_id)
+            if pod is not None and job_id not in self._running and pod not in self._queued:
+                del self._known[job_id]
+
+    def kept_jobs(self) -> list[str]:
+        with self._lock:
+            return [*self._known, *(i for i in self._adopted.ids() if i not in self._known)]
+
     def running(self) -> list[str]:
         with self._lock:
             return [*self._running, *(p.job_id for p in self._queued), *self._adopted.ids()]
