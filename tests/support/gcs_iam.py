@@ -331,6 +331,8 @@ class IamProxy:
         # (roles/iam.workloadIdentityUser): `documented_workload_identity_users()`.
         self.workload_identity_users: set[tuple[str, str]] = set()
         self.denials: list[tuple[str, str, str | None]] = []
+        # Every caller a request was forwarded for.
+        self.callers: set[str] = set()
         self._servers: dict[str, http.server.ThreadingHTTPServer] = {}
         self._lock = threading.Lock()
 
@@ -446,6 +448,8 @@ class IamProxy:
                             proxy.denials.append((caller, need.permission, need.bucket))
                         self._answer(403, denied_body(caller, need))
                         return
+                with proxy._lock:
+                    proxy.callers.add(caller)
                 self._forward(body)
 
             def _forward(self, body: bytes) -> None:
