@@ -256,12 +256,29 @@ def execute(run: PodRun) -> Any:
             recorded = _recorded_state(contents["task_run"].id)
             if recorded is not None and recorded.is_final():
                 raise TaskRunAlreadyFinal(recorded)
-            with handle_engine_signals(contents["task_run"].id):
+            with (
+                handle_engine_signals(contents["task_run"].id),
+                prefect_process.logged_task_run_errors() as logged,
+            ):
                 if task.isasync:
                     import asyncio
 
-                    return asyncio.run(run_task_async(**kwargs))
-                return run_task_sync(**kwargs)
+                    state = asyncio.run(run_task_async(**kwargs))
+                else:
+                    state = run_task_sync(**kwargs)
+            failed = prefect_process.unstored_result(state, task, logged)
+            if failed is None:
+                return state
+            _record_state(contents["task_run"].id, failed)
+            return failed
+
+
+def _record_state(task_run_id: Any, state: Any) -> None:
+    """Replace the task run's state in the API (a Completed run whose result was not stored)."""
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        client.set_task_run_state(task_run_id, state.model_copy(update={"data": None}), force=True)
 
 
 def _recorded_state(task_run_id: Any) -> Any:

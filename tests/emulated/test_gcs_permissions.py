@@ -178,10 +178,12 @@ def test_a_task_pod_without_the_results_bucket_reader_role_fails_naming_storage_
     assert (PODS_MEMBER.partition(":")[2], "storage.buckets.get", gcs.name) in gcs.iam.denials
 
 
-def test_a_pod_whose_service_account_has_no_workload_identity_fails_with_gcs_403(
-    gke, cluster, gcs
-):
-    @flow(task_runner=KineticTaskRunner(cluster=gke, service_account="default", allow_loopback_api=True))
+def test_a_pod_whose_service_account_has_no_workload_identity_fails_with_gcs_403(gke, cluster, gcs):
+    @flow(
+        task_runner=KineticTaskRunner(
+            cluster=gke, service_account="default", allow_loopback_api=True
+        )
+    )
     def one_cube() -> int:
         return cube.submit(3).result()
 
