@@ -123,7 +123,11 @@ def parse_args(argv: list[str] | None) -> PodRun:
 
 
 def download(run: PodRun) -> None:
-    with run.phase("download", "check that the pod can read the jobs bucket (service account)"):
+    with run.phase(
+        "download",
+        "check that the pod can read the jobs bucket: its service account needs Workload "
+        'Identity and roles/storage.objectAdmin there (docs/kubernetes.md "Permissions")',
+    ):
         run.payload_bytes = storage.read_uri(run.payload_uri)
         if not run.reuses_code:
             run.context_bytes = storage.read_uri(run.context_uri)
