@@ -67,20 +67,14 @@ def shippable_state(state: Any, task: Any) -> Any:
     The orchestrator then reads the value through Prefect's result store, like
     any other Prefect process would, instead of through the pod's report.
     """
-    from prefect._internal.result_records import ResultRecord
-
-    record = state.data
-    if (
-        isinstance(record, ResultRecord)
-        and state.is_completed()
-        and task.persist_result is True
-        and record.metadata.storage_block_id is not None
-    ):
+    record = _persisted_record(state, task)
+    if record is not None:
         return state.model_copy(update={"data": record.metadata})
     return state
 
 
 def _persisted_record(state: Any, task: Any) -> Any:
+    """The result record of a Completed task whose result went to a storage block, else None."""
     from prefect._internal.result_records import ResultRecord
 
     record = state.data

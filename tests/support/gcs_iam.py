@@ -136,16 +136,16 @@ def _permissions_section() -> str:
     return re.sub(r"\\\n\s*", " ", text[start : end if end > 0 else None])
 
 
+def _filled(value: str, substitutions: dict[str, str]) -> str:
+    for placeholder, actual in substitutions.items():
+        value = value.replace(placeholder, actual)
+    return value
+
+
 def documented_grants(substitutions: dict[str, str]) -> list[Grant]:
     """The bucket grants docs/kubernetes.md tells users to make, placeholders substituted."""
-
-    def fill(value: str) -> str:
-        for placeholder, actual in substitutions.items():
-            value = value.replace(placeholder, actual)
-        return value
-
     grants = [
-        Grant(fill(m["bucket"]), fill(m["member"]), m["role"])
+        Grant(_filled(m["bucket"], substitutions), _filled(m["member"], substitutions), m["role"])
         for m in _BUCKET_BINDING.finditer(_permissions_section())
     ]
     assert grants, f"no `gcloud storage buckets add-iam-policy-binding` in {PERMISSIONS_DOC}"
@@ -154,14 +154,8 @@ def documented_grants(substitutions: dict[str, str]) -> list[Grant]:
 
 def documented_workload_identity_users(substitutions: dict[str, str]) -> set[tuple[str, str]]:
     """(Kubernetes account, Google service account) pairs the docs let act as each other."""
-
-    def fill(value: str) -> str:
-        for placeholder, actual in substitutions.items():
-            value = value.replace(placeholder, actual)
-        return value
-
     return {
-        (m["ksa"], fill(m["gsa"]))
+        (m["ksa"], _filled(m["gsa"], substitutions))
         for m in _SA_BINDING.finditer(_permissions_section())
         if m["role"] == WORKLOAD_IDENTITY_USER
     }
@@ -383,26 +377,22 @@ class IamProxy:
 
     # -- serving
 
-    def _object_exists(self, bucket: str, name: str) -> bool:
+    def _found(self, path: str) -> bool:
+        """Whether the emulator has the bucket or object at `path` (asked directly)."""
         connection = http.client.HTTPConnection(self.lookup, timeout=60)
         try:
-            quoted = urllib.parse.quote(name, safe="")
-            connection.request("GET", f"/storage/v1/b/{bucket}/o/{quoted}")
+            connection.request("GET", path)
             response = connection.getresponse()
             response.read()
             return response.status == 200
         finally:
             connection.close()
 
+    def _object_exists(self, bucket: str, name: str) -> bool:
+        return self._found(f"/storage/v1/b/{bucket}/o/{urllib.parse.quote(name, safe='')}")
+
     def _bucket_exists(self, bucket: str) -> bool:
-        connection = http.client.HTTPConnection(self.lookup, timeout=60)
-        try:
-            connection.request("GET", f"/storage/v1/b/{bucket}")
-            response = connection.getresponse()
-            response.read()
-            return response.status == 200
-        finally:
-            connection.close()
+        return self._found(f"/storage/v1/b/{bucket}")
 
     def _serve(self, member: str) -> http.server.ThreadingHTTPServer:
         proxy = self
