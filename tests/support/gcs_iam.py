@@ -428,7 +428,14 @@ class IamProxy:
             def _handle(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
-                wanted = needs(self.command, self.path, body, proxy._object_exists)
+                try:
+                    wanted = needs(self.command, self.path, body, proxy._object_exists)
+                except ValueError as exc:
+                    # A request the proxy cannot map must show up, not pass unchecked.
+                    self._answer(
+                        501, json.dumps({"error": {"code": 501, "message": str(exc)}}).encode()
+                    )
+                    return
                 if wanted is None:
                     self._test_permissions()
                     return
