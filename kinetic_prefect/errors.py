@@ -40,6 +40,10 @@ def _rebuild_phase_error(message: str, phase: str, job_id: str, tb: str) -> PodP
     return PodPhaseError(message, phase=phase, job_id=job_id, remote_traceback=tb)
 
 
+class ResultNotStoredError(KineticError, RuntimeError):
+    """A task returned but its persisted result is not in result storage (the message says why)."""
+
+
 class PodCrashedError(KineticError):
     """The pod ended without reporting a final state (killed, evicted, out of memory, deadline)."""
 

@@ -17,6 +17,7 @@ import kubernetes_validate
 import pytest
 
 from kinetic_prefect.backends.local.backend import LocalBackend
+from tests.support.gcs_iam import IamProxy
 from tests.support.kube import KubeCluster, running_cluster
 from tests.support.prefect_server import migrated_database
 from tests.support.scheduling import SuiteScheduling, check_alone_marks
@@ -155,27 +156,71 @@ def suite_environment(gcs_server: str, shipped_requirements: Path) -> str:
 
 
 @pytest.fixture
-def gcs(gcs_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[GcsTestBucket]:
-    """Emulator mode for this process and its pods, with a fresh bucket."""
+def gcs_iam(gcs_server: str, gcs_endpoint: str) -> Iterator[IamProxy]:
+    """GCS as strict as Cloud IAM for this test (tests/support/gcs_iam.py).
+
+    Every client of the test reaches `gcs_endpoint` through it, with the grants
+    docs/kubernetes.md tells users to make (added per bucket by `gcs`).
+    """
+    from kinetic_prefect.common.gcs import EMULATOR_PROJECT
+    from tests.support.gcs_iam import IamProxy, documented_workload_identity_users
+
+    with IamProxy(gcs_endpoint, lookup=gcs_server, project=EMULATOR_PROJECT) as proxy:
+        proxy.workload_identity_users = documented_workload_identity_users(
+            {"PROJECT": EMULATOR_PROJECT}
+        )
+        yield proxy
+
+
+@pytest.fixture
+def gcs(
+    gcs_server: str, gcs_iam: IamProxy, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[GcsTestBucket]:
+    """Emulator mode for this process and its pods, with a fresh bucket.
+
+    The bucket is made by an administrator (straight to the emulator); the test
+    process then acts as the user, and its pods as their service accounts, with
+    the documented grants on it (jobs and results bucket at once) and on the
+    environments bucket.
+    """
     import uuid
 
     from google.api_core.exceptions import Conflict
 
     from kinetic_prefect.common import gcs as kgcs
+    from tests.support.gcs_iam import USER_MEMBER, documented_grants
 
-    emulator_env = {"STORAGE_EMULATOR_HOST": gcs_endpoint, "TENSORSTORE_GCS_HTTP_URL": gcs_endpoint}
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_server)
+    kgcs._clients.clear()
+    admin = kgcs.storage_client()
+    bucket = admin.create_bucket(f"kp-{uuid.uuid4().hex[:12]}")
+    with contextlib.suppress(Conflict):
+        admin.create_bucket(ENVIRONMENTS_BUCKET)
+    gcs_iam.grant(
+        documented_grants(
+            {
+                "JOBS_BUCKET": bucket.name,
+                "RESULTS_BUCKET": bucket.name,
+                "ENVIRONMENT_STORE": ENVIRONMENTS_BUCKET,
+                "PROJECT": kgcs.EMULATOR_PROJECT,
+            }
+        )
+    )
+    user_endpoint = gcs_iam.endpoint(USER_MEMBER)
+    emulator_env = {
+        "STORAGE_EMULATOR_HOST": user_endpoint,
+        "TENSORSTORE_GCS_HTTP_URL": user_endpoint,
+    }
     for name, value in emulator_env.items():
         monkeypatch.setenv(name, value)
     kgcs._clients.clear()
-    client = kgcs.storage_client()
-    bucket = client.create_bucket(f"kp-{uuid.uuid4().hex[:12]}")
-    with contextlib.suppress(Conflict):
-        client.create_bucket(ENVIRONMENTS_BUCKET)
     yield GcsTestBucket(
         name=bucket.name,
-        client=client,
+        client=admin,
+        # The kubelet gives each pod its own identity's port in place of this address.
         pod_env=emulator_env,
         environment_store=f"gs://{ENVIRONMENTS_BUCKET}",
+        iam=gcs_iam,
     )
     kgcs._clients.clear()
 
@@ -188,6 +233,8 @@ class GcsTestBucket:
     pod_env: dict[str, str]
     # Where gke test clusters keep shipped environments: shared by the tests of a GCS server.
     environment_store: str = ""
+    # The IAM proxy every client of the test goes through.
+    iam: Any = None
 
     @property
     def uri(self) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -22,6 +23,19 @@ RETRY_STATUSES = (408, 429, 500, 502, 503, 504)
 # chunk per request is held in memory, and a failed chunk is re-sent alone.
 UPLOAD_CHUNK_BYTES = 32 * 1024 * 1024
 EMULATOR_PROJECT = "kinetic-emulator"
+
+# What the orchestrator does on the jobs bucket (payloads written, final states read, prefixes
+# listed and cleaned up; an overwrite needs delete too), all held by roles/storage.objectAdmin.
+JOBS_BUCKET_PERMISSIONS = (
+    "storage.objects.create",
+    "storage.objects.delete",
+    "storage.objects.get",
+    "storage.objects.list",
+)
+PERMISSIONS_DOC = (
+    'docs/kubernetes.md "Permissions" (roles: '
+    "https://cloud.google.com/iam/docs/roles-permissions/storage)"
+)
 
 
 def emulator_host() -> str | None:
@@ -91,6 +105,37 @@ def split_gs_uri(uri: str) -> tuple[str, str]:
     if not bucket:
         raise ValueError(f"{uri!r} has no bucket: use gs://BUCKET/optional/prefix.")
     return bucket, prefix.strip("/")
+
+
+def role_holding(permission: str) -> str:
+    """The role the docs grant for `permission`: bucket metadata or objects."""
+    if permission == "storage.buckets.get":
+        return "roles/storage.legacyBucketReader"
+    return "roles/storage.objectAdmin"
+
+
+def grant_hint(bucket: str, permissions: list[str]) -> str:
+    """The gcloud commands that grant `permissions` on `bucket` to whoever lacks them."""
+    roles = sorted({role_holding(p) for p in permissions})
+    commands = "; ".join(
+        f"gcloud storage buckets add-iam-policy-binding gs://{bucket} --member=MEMBER --role={role}"
+        for role in roles
+    )
+    return (
+        f"Grant {' and '.join(roles)} on gs://{bucket} to the account that lacks it "
+        f"(MEMBER: user:YOU@EXAMPLE.COM, or serviceAccount:GSA@PROJECT.iam.gserviceaccount.com "
+        f"for pods through Workload Identity): {commands}. See {PERMISSIONS_DOC}."
+    )
+
+
+def denied_permission(exc: BaseException) -> str | None:
+    """The permission a GCS 403 names; None when `exc` is not a 403 from GCS."""
+    from google.api_core.exceptions import Forbidden
+
+    if not isinstance(exc, Forbidden):
+        return None
+    match = re.search(r"does not have ([\w.]+) access", str(exc))
+    return match[1] if match else "a storage permission"
 
 
 _clients: dict[int, Any] = {}

@@ -52,22 +52,35 @@ def check_credentials(cluster: Any) -> Any:
 
 
 def check_jobs_root(jobs_root: str, cluster: Any) -> None:
-    """The jobs bucket exists and is reachable with the configured credentials."""
+    """The jobs bucket exists and the configured credentials may use its objects.
+
+    Asked with `testIamPermissions`, which needs no permission itself, so a
+    missing grant is named rather than seen as an unreachable bucket.
+    """
+    from google.api_core.exceptions import NotFound
+
     credentials = check_credentials(cluster)
     bucket, _ = gcs.split_gs_uri(jobs_root)
     client = gcs.storage_client(
         project=getattr(cluster, "project", None) if cluster else None, credentials=credentials
     )
+    wanted = list(gcs.JOBS_BUCKET_PERMISSIONS)
     try:
-        exists = client.bucket(bucket).exists()
+        granted = set(client.bucket(bucket).test_iam_permissions(wanted))
+    except NotFound as exc:
+        raise ConfigurationError(
+            f"The jobs bucket gs://{bucket} does not exist. Create it (gcloud storage buckets "
+            f"create gs://{bucket}) or set jobs_bucket on the KineticCluster / KINETIC_JOBS_BUCKET."
+        ) from exc
     except Exception as exc:
         raise ConfigurationError(
             f"Cannot reach the jobs bucket gs://{bucket}: {exc}. Check the credentials' access."
         ) from exc
-    if not exists:
+    missing = [p for p in wanted if p not in granted]
+    if missing:
         raise ConfigurationError(
-            f"The jobs bucket gs://{bucket} does not exist. Create it (gcloud storage buckets "
-            f"create gs://{bucket}) or set jobs_bucket on the KineticCluster / KINETIC_JOBS_BUCKET."
+            f"The credentials lack {', '.join(missing)} on the jobs bucket gs://{bucket}. "
+            + gcs.grant_hint(bucket, missing)
         )
 
 

@@ -102,6 +102,14 @@ def _split_gs(uri: str) -> tuple[str, str]:
     return bucket, name
 
 
+def _gcs_message(exc: urllib.error.HTTPError) -> str:
+    """The message of GCS's JSON error (a 403 names the caller and the permission)."""
+    try:
+        return str(json.loads(exc.read())["error"]["message"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return str(exc.msg)
+
+
 def _request(url: str, method: str = "GET", body: object = None, headers: dict | None = None):
     """Open `url` with retries on transient answers; the caller reads and closes the response."""
     headers = dict(headers or {})
@@ -117,6 +125,7 @@ def _request(url: str, method: str = "GET", body: object = None, headers: dict |
             return urllib.request.urlopen(request, timeout=120)
         except urllib.error.HTTPError as exc:
             if exc.code not in _RETRY_STATUSES or attempt == _ATTEMPTS - 1:
+                exc.msg = _gcs_message(exc)
                 raise
         except (urllib.error.URLError, OSError):
             if attempt == _ATTEMPTS - 1:
@@ -283,7 +292,8 @@ def _download_and_unpack(archive_uri: str, sha256: str, cache: Path, target: Pat
         except (OSError, urllib.error.URLError) as exc:
             raise EnvironmentFailure(
                 f"could not download {archive_uri}: {exc}; check that the pod's service account "
-                "can read the jobs bucket"
+                "can read that bucket (Workload Identity and roles/storage.objectAdmin, see "
+                'docs/kubernetes.md "Permissions")'
             ) from exc
         if arrived != sha256:
             raise EnvironmentFailure(

@@ -2,14 +2,18 @@
 
 Rereading Prefect's settings after the environment changed (a pod forked from
 the local template), sending queued logs and events without exiting (a warm
-pod between tasks), the result record a persisted result travels as, and one
-attempt of the engine without its in-process retries (a slice's host 0). Each
-leans on Prefect internals; the tests named in each docstring fail if they change.
+pod between tasks), the result record a persisted result travels as, whether
+that result was stored, and one attempt of the engine without its in-process
+retries (a slice's host 0). Each leans on Prefect internals; the tests named in
+each docstring fail if they change.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 # How long a warm pod waits for a task's logs and events to reach the API.
@@ -64,6 +68,14 @@ def shippable_state(state: Any, task: Any) -> Any:
     The orchestrator then reads the value through Prefect's result store, like
     any other Prefect process would, instead of through the pod's report.
     """
+    record = _persisted_record(state, task)
+    if record is not None:
+        return state.model_copy(update={"data": record.metadata})
+    return state
+
+
+def _persisted_record(state: Any, task: Any) -> Any:
+    """The result record of a Completed task whose result went to a storage block, else None."""
     from prefect._internal.result_records import ResultRecord
 
     record = state.data
@@ -73,8 +85,70 @@ def shippable_state(state: Any, task: Any) -> Any:
         and task.persist_result is True
         and record.metadata.storage_block_id is not None
     ):
-        return state.model_copy(update={"data": record.metadata})
-    return state
+        return record
+    return None
+
+
+class _LoggedErrors(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.exceptions: list[BaseException] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.exc_info and record.exc_info[1] is not None:
+            self.exceptions.append(record.exc_info[1])
+
+
+@contextmanager
+def logged_task_run_errors() -> Iterator[list[BaseException]]:
+    """The exceptions Prefect logs for the task run while the block runs (its run logger's)."""
+    handler = _LoggedErrors()
+    logger = logging.getLogger("prefect.task_runs")
+    logger.addHandler(handler)
+    try:
+        yield handler.exceptions
+    finally:
+        logger.removeHandler(handler)
+
+
+def unstored_result(state: Any, task: Any, logged: list[BaseException]) -> Any:
+    """A Failed state when a Completed task's persisted result is not in its GCS storage.
+
+    Prefect's engine writes the result record when it commits the task's
+    transaction, and a failed commit is logged, not raised: the run still ends
+    Completed, and whoever reads the result later finds nothing. So the record is
+    looked up here (its metadata only) and, when missing, the run is failed with
+    the error Prefect logged (a GCS 403 names the permission). None when the result
+    is stored, not persisted, or not on GCS. `test_a_task_pod_without_the_results_
+    bucket_reader_role_fails_naming_storage_buckets_get` fails if that changes.
+    """
+    from prefect.blocks.core import Block
+    from prefect.states import Failed
+
+    from kinetic_prefect.common.gcs import GcsStore, denied_permission, grant_hint
+    from kinetic_prefect.errors import ResultNotStoredError
+
+    record = _persisted_record(state, task)
+    if record is None:
+        return None
+    storage = Block.load_from_ref(record.metadata.storage_block_id)
+    bucket, resolve = getattr(storage, "bucket", None), getattr(storage, "_resolve_path", None)
+    if not bucket or resolve is None:
+        return None
+    path = resolve(record.metadata.storage_key)
+    if GcsStore(f"gs://{bucket}").exists(path):
+        return None
+    cause = f": {logged[-1]}" if logged else ""
+    denied = denied_permission(logged[-1]) if logged else None
+    message = (
+        f"The task returned, but Prefect could not store its result at gs://{bucket}/{path}"
+        f"{cause}. The run is failed rather than Completed without a readable result. "
+        + grant_hint(
+            bucket, [denied] if denied else ["storage.buckets.get", "storage.objects.create"]
+        )
+    )
+    error = ResultNotStoredError(message)
+    return Failed(message=message, data=error)
 
 
 def run_one_attempt(

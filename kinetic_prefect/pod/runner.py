@@ -131,7 +131,11 @@ def parse_args(argv: list[str] | None) -> PodRun:
 
 
 def download(run: PodRun) -> None:
-    with run.phase("download", "check that the pod can read the jobs bucket (service account)"):
+    with run.phase(
+        "download",
+        "check that the pod can read the jobs bucket: its service account needs Workload "
+        'Identity and roles/storage.objectAdmin there (docs/kubernetes.md "Permissions")',
+    ):
         run.payload_bytes = storage.read_uri(run.payload_uri)
         if not run.reuses_code:
             run.context_bytes = storage.read_uri(run.context_uri)
@@ -268,14 +272,31 @@ def execute(run: PodRun, hosts: int = 1) -> Any:
             recorded = _recorded_state(contents["task_run"].id)
             if recorded is not None and recorded.is_final():
                 raise TaskRunAlreadyFinal(recorded)
-            with handle_engine_signals(contents["task_run"].id):
+            with (
+                handle_engine_signals(contents["task_run"].id),
+                prefect_process.logged_task_run_errors() as logged,
+            ):
                 if hosts > 1:
-                    return prefect_process.run_one_attempt(**kwargs)
-                if task.isasync:
+                    state = prefect_process.run_one_attempt(**kwargs)
+                elif task.isasync:
                     import asyncio
 
-                    return asyncio.run(run_task_async(**kwargs))
-                return run_task_sync(**kwargs)
+                    state = asyncio.run(run_task_async(**kwargs))
+                else:
+                    state = run_task_sync(**kwargs)
+            failed = prefect_process.unstored_result(state, task, logged)
+            if failed is None:
+                return state
+            _record_state(contents["task_run"].id, failed)
+            return failed
+
+
+def _record_state(task_run_id: Any, state: Any) -> None:
+    """Replace the task run's state in the API (a Completed run whose result was not stored)."""
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        client.set_task_run_state(task_run_id, state.model_copy(update={"data": None}), force=True)
 
 
 def _recorded_state(task_run_id: Any) -> Any:

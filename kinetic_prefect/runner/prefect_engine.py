@@ -113,12 +113,40 @@ def cached_state(task: Any, task_run: TaskRun, parameters: Mapping[str, Any]) ->
         )
     except Exception:
         return None
-    if not key or not store.exists(key):
+    if not key or not _committed(store, key):
         return None
     record = store.read(key)
     return Completed(
         name="Cached", message="Cached: the result was found in the result store.", data=record
     )
+
+
+def _committed(store: Any, key: str) -> bool:
+    """Whether the result store holds a record under `key`.
+
+    Prefect's `ResultStore.exists` answers False to any error, so a miss is read
+    once more: a read GCS denied raises, naming the permission, the bucket and
+    the grant, rather than running the task again on a cache that cannot be read.
+    """
+    from kinetic_prefect.common import gcs
+    from kinetic_prefect.errors import ConfigurationError
+
+    if store.exists(key):
+        return True
+    try:
+        store.read(key)
+    except Exception as exc:
+        permission = gcs.denied_permission(exc)
+        if permission is None:
+            return False
+        storage = store.metadata_storage or store.result_storage
+        bucket = getattr(storage, "bucket", "?")
+        raise ConfigurationError(
+            f"Cannot look up the task's cached result: GCS denied {permission} on the result "
+            f"bucket gs://{bucket} ({getattr(exc, 'message', exc)}). "
+            + gcs.grant_hint(bucket, [permission])
+        ) from exc
+    return False
 
 
 def retry_delay(task: Any, attempts_done: int) -> float:

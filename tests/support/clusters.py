@@ -31,6 +31,8 @@ def gcs_cluster(gcs: Any, name: str, backend: str = "local") -> str:
         jobs_bucket=gcs.uri,
         result_storage=GcsBucket.load(f"{name}-results"),
         env=gcs.pod_env,
+        # The task pods' account of rbac.yaml, whose Workload Identity the docs set up.
+        service_account="kinetic-prefect-pods" if backend == "gke" else None,
         # One shipped environment for the whole suite (tests/conftest.py).
         requirements=str(SHIPPED_REQUIREMENTS) if backend == "gke" else None,
         environment_builder="local" if backend == "gke" else None,

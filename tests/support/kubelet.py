@@ -25,7 +25,8 @@ the environment of whoever created the Job. So a pod run here starts from
 first, standing in for the image's `/usr/local/bin`, then the system
 directories), `HOME` (an empty directory of each pod's own, as a fresh container
 filesystem has) and `LANG=C.UTF-8`; then its manifest's env; then `KUBECONFIG`,
-the test-only stand-in for a mounted service-account token (tests/support/pod_env.py).
+the test-only stand-in for a mounted service-account token, and the pod's Workload
+Identity port of the GCS IAM proxy in place of its address (tests/support/pod_env.py).
 Anything else a pod needs, such as the GCS emulator's address, must travel in
 the manifest as a user's settings would.
 """
@@ -66,6 +67,7 @@ from tests.support.pod_env import (
     image_env,
     pod_kubeconfig,
     secret_values,
+    workload_identity_env,
 )
 
 KUBELET_AGENT = "test-kubelet"
@@ -340,7 +342,13 @@ class Kubelet:
         # its home (a Prefect home, a key file) is there for the next.
         home = self.workspace / "homes" / pod.names[0]
         home.mkdir(parents=True, exist_ok=True)
-        manifest["spec"]["template"]["spec"]["containers"][0].setdefault("env", []).extend(
+        container = manifest["spec"]["template"]["spec"]["containers"][0]
+        container["env"] = workload_identity_env(
+            lambda name: self.emulator.find("serviceaccounts", pod.namespace, name),
+            pod.namespace,
+            template["spec"],
+        )
+        container["env"].extend(
             [
                 {"name": "KUBECONFIG", "value": self._pod_kubeconfig(pod, template["spec"])},
                 {"name": "HOME", "value": str(home)},

@@ -10,6 +10,18 @@ cannot speak, so as a test-only stand-in a pod whose spec mounts its token
 says which service account made each request. Any other pod gets a `KUBECONFIG`
 that does not exist, so it cannot reach the cluster through the test's own.
 
+GCS identity from inside a pod (Workload Identity): on GKE a pod's requests to
+GCS carry a token the metadata server issues for the Google service account its
+Kubernetes service account is annotated with (`iam.gke.io/gcp-service-account`),
+or for the Kubernetes account's own principal, which holds no roles, when it
+has none. Clients in emulator mode send no token, so as a second test-only
+stand-in the kubelet, as the metadata server would, replaces a GCS address in
+the manifest's env that belongs to the IAM proxy (tests/support/gcs_iam.py)
+with that proxy's port for the pod's identity (`workload_identity_env`). The
+annotation is read from the ServiceAccount the emulator stores, else from
+deployments/k8s/rbac.yaml as a user uncomments it; the docs' grants decide what
+each identity may do.
+
 The container's environment otherwise starts from `image_env()` (see the
 kubelet's module docstring), and its secretKeyRefs are filled from the Secrets
 stored in the emulator (`secret_values`), as a kubelet fills them.
@@ -62,6 +74,46 @@ def pod_kubeconfig(workspace: Path, api_url: str, namespace: str, pod_spec: dict
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(config))
     return str(path)
+
+
+# The variables through which GCS clients in emulator mode find the server.
+GCS_ADDRESS_VARIABLES = ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL")
+
+
+def workload_identity_env(
+    find_service_account: Callable[[str], dict[str, Any] | None],
+    namespace: str,
+    pod_spec: dict[str, Any],
+) -> list[dict[str, str]]:
+    """The container's env with the IAM proxy's address replaced by its identity's port.
+
+    Unchanged when no GCS address in it belongs to an IAM proxy (see the module docstring).
+    """
+    from tests.support.gcs_iam import (
+        WORKLOAD_IDENTITY_ANNOTATION,
+        proxy_serving,
+        rbac_yaml_annotations,
+    )
+
+    env = [dict(item) for item in pod_spec["containers"][0].get("env") or []]
+    account = pod_spec.get("serviceAccountName") or "default"
+    for item in env:
+        proxy = (
+            proxy_serving(item.get("value") or "")
+            if item["name"] in GCS_ADDRESS_VARIABLES
+            else None
+        )
+        if proxy is None:
+            continue
+        stored = find_service_account(account)
+        if stored is not None:
+            annotations = stored["metadata"].get("annotations") or {}
+            annotation = annotations.get(WORKLOAD_IDENTITY_ANNOTATION)
+        else:
+            annotation = rbac_yaml_annotations(proxy.project).get(account)
+        member = proxy.workload_identity_member(namespace, account, annotation)
+        item["value"] = proxy.endpoint(member)
+    return env
 
 
 def secret_values(

@@ -46,6 +46,7 @@ from prefect.settings import (
 )
 from prefect.states import Cancelling, Scheduled
 
+from kinetic_prefect.common.gcs import EMULATOR_PROJECT
 from kinetic_prefect.common.records import FINAL_STATE_JSON, FinalRecord
 from kinetic_prefect.launch.manifest import (
     LABEL_FLOW_RUN_ID,
@@ -555,6 +556,10 @@ def test_deployed_flow_on_gke_runs_as_the_runner_account_and_launches_its_task_p
         pods_account
     }
     assert {token for token, _ in task_jobs} == {service_account_token("default", runner_account)}
+    # The flow pod wrote its task pods' payloads and read their results as the runner's
+    # Google service account, with the documented grants only.
+    assert f"kinetic-runner@{EMULATOR_PROJECT}.iam.gserviceaccount.com" in gcs.iam.callers
+    assert [d for d in gcs.iam.denials if d[1] != "storage.buckets.get"] == []
 
 
 def _running_task_pod(cluster: Any, flow_run_id: uuid.UUID) -> str | None:

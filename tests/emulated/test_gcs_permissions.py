@@ -1,0 +1,220 @@
+"""GCS as strict as Cloud IAM: every identity holds exactly the roles docs/kubernetes.md grants.
+
+The `gcs` fixture puts every client behind the IAM proxy (tests/support/gcs_iam.py):
+this process acts as the user, each pod as its service account's Workload Identity.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from prefect import flow, task
+from prefect.cache_policies import INPUTS
+
+from kinetic_prefect import KineticTaskRunner
+from kinetic_prefect.common import gcs as kgcs
+from kinetic_prefect.errors import ConfigurationError
+from kinetic_prefect.launch.preflight import check_jobs_root
+from tests.support.gcs_iam import USER_MEMBER, Grant, documented_grants
+
+pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
+
+PODS_MEMBER = f"serviceAccount:kinetic-pods@{kgcs.EMULATOR_PROJECT}.iam.gserviceaccount.com"
+OBJECT_ADMIN = "roles/storage.objectAdmin"
+BUCKET_READER = "roles/storage.legacyBucketReader"
+
+
+@task
+def cube(x: int) -> int:
+    return x**3
+
+
+@task(cache_policy=INPUTS, persist_result=True)
+def cached_square(x: int) -> int:
+    return x * x
+
+
+def jobs_only_bucket(gcs) -> str:
+    """A bucket with the documented grants of a jobs bucket and nothing else."""
+    import uuid
+
+    name = gcs.client.create_bucket(f"kp-jobs-{uuid.uuid4().hex[:8]}").name
+    substitutions = {
+        "JOBS_BUCKET": name,
+        "RESULTS_BUCKET": "not-this-bucket",
+        "ENVIRONMENT_STORE": "nor-this-one",
+        "PROJECT": kgcs.EMULATOR_PROJECT,
+    }
+    gcs.iam.grant(documented_grants(substitutions))
+    return name
+
+
+def object_denials(gcs) -> list[tuple[str, str, str | None]]:
+    """Denied requests but google-cloud-storage's background bucket-metadata fetches,
+    which it makes for observability on its own and whose 403 it expects and ignores."""
+    return [d for d in gcs.iam.denials if d[1] != "storage.buckets.get"]
+
+
+# -- the proxy itself ---------------------------------------------------------------------------
+
+
+def test_test_iam_permissions_answers_the_users_documented_roles_on_the_bucket(gcs):
+    asked = [
+        "storage.buckets.get",
+        "storage.buckets.update",
+        "storage.buckets.delete",
+        "storage.objects.create",
+        "storage.objects.delete",
+        "storage.objects.setRetention",
+    ]
+
+    granted = kgcs.storage_client().bucket(gcs.name).test_iam_permissions(asked)
+
+    assert sorted(granted) == [
+        "storage.buckets.get",
+        "storage.objects.create",
+        "storage.objects.delete",
+        "storage.objects.setRetention",
+    ]
+
+
+def test_a_request_without_its_permission_gets_gcs_403_in_gcs_words(gcs):
+    from google.api_core.exceptions import Forbidden
+
+    client = kgcs.storage_client()
+    with (
+        gcs.iam.revoked(Grant(gcs.name, USER_MEMBER, BUCKET_READER)),
+        pytest.raises(Forbidden) as denied,
+    ):
+        client.get_bucket(gcs.name)
+
+    assert denied.value.code == 403
+    assert denied.value.errors == [
+        {
+            "message": "YOU@EXAMPLE.COM does not have storage.buckets.get access to the Google "
+            "Cloud Storage bucket. Permission 'storage.buckets.get' denied on resource (or it "
+            "may not exist).",
+            "domain": "global",
+            "reason": "forbidden",
+        }
+    ]
+
+
+def test_an_overwrite_needs_delete_as_well_as_create(gcs):
+    from google.api_core.exceptions import Forbidden
+
+    blob = kgcs.storage_client().bucket(gcs.name).blob("kinetic/job/payload.pkl")
+    gcs.iam.grant([Grant(gcs.name, USER_MEMBER, "roles/storage.objectCreator")])
+    with gcs.iam.revoked(Grant(gcs.name, USER_MEMBER, OBJECT_ADMIN)):
+        blob.upload_from_string(b"first")
+        with pytest.raises(Forbidden, match="storage.objects.delete"):
+            blob.upload_from_string(b"second")
+
+    assert gcs.client.bucket(gcs.name).blob("kinetic/job/payload.pkl").download_as_bytes() == (
+        b"first"
+    )
+
+
+# -- the orchestrator ---------------------------------------------------------------------------
+
+
+def test_jobs_bucket_check_passes_with_the_documented_jobs_bucket_roles_alone(gcs):
+    bucket = jobs_only_bucket(gcs)
+
+    check_jobs_root(f"gs://{bucket}/prefix", None)
+
+
+def test_jobs_bucket_check_names_the_missing_permissions_and_the_grant(gcs):
+    bucket = jobs_only_bucket(gcs)
+
+    with (
+        gcs.iam.revoked(Grant(bucket, USER_MEMBER, OBJECT_ADMIN)),
+        pytest.raises(ConfigurationError) as refused,
+    ):
+        check_jobs_root(f"gs://{bucket}", None)
+
+    message = str(refused.value)
+    assert "lack storage.objects.create, storage.objects.delete, storage.objects.get, " in message
+    assert f"on the jobs bucket gs://{bucket}" in message
+    assert (
+        f"gcloud storage buckets add-iam-policy-binding gs://{bucket} --member=MEMBER "
+        f"--role={OBJECT_ADMIN}" in message
+    )
+
+
+def test_jobs_bucket_check_says_a_missing_bucket_does_not_exist(gcs):
+    with pytest.raises(ConfigurationError, match="gs://kp-no-such-bucket does not exist"):
+        check_jobs_root("gs://kp-no-such-bucket", None)
+
+
+# -- pods ----------------------------------------------------------------------------------------
+
+
+def test_task_pods_run_and_write_results_with_exactly_the_documented_roles(gke, cluster, gcs):
+    @flow(task_runner=KineticTaskRunner(cluster=gke, allow_loopback_api=True))
+    def cubes() -> list[int]:
+        return [f.result() for f in cube.map([2, 3])]
+
+    assert cubes() == [8, 27]
+    assert object_denials(gcs) == []
+    assert PODS_MEMBER.partition(":")[2] in gcs.iam.callers
+    assert len(gcs.names("results/")) == 2
+
+
+def test_a_task_pod_without_the_results_bucket_reader_role_fails_naming_storage_buckets_get(
+    gke, cluster, gcs
+):
+    @flow(task_runner=KineticTaskRunner(cluster=gke, allow_loopback_api=True))
+    def one_cube() -> int:
+        return cube.submit(3).result()
+
+    with (
+        gcs.iam.revoked(Grant(gcs.name, PODS_MEMBER, BUCKET_READER)),
+        pytest.raises(Exception) as failed,
+    ):
+        one_cube()
+
+    assert "storage.buckets.get" in str(failed.value)
+    assert gcs.name in str(failed.value)
+    assert (PODS_MEMBER.partition(":")[2], "storage.buckets.get", gcs.name) in gcs.iam.denials
+
+
+def test_a_pod_whose_service_account_has_no_workload_identity_fails_with_gcs_403(gke, cluster, gcs):
+    @flow(
+        task_runner=KineticTaskRunner(
+            cluster=gke, service_account="default", allow_loopback_api=True
+        )
+    )
+    def one_cube() -> int:
+        return cube.submit(3).result()
+
+    with pytest.raises(Exception) as failed:
+        one_cube()
+
+    message = str(failed.value)
+    principal = f"{kgcs.EMULATOR_PROJECT}.svc.id.goog[default/default]"
+    assert f"{principal} does not have storage.objects.get access" in message
+    # The bucket: the shipped environment's, or the jobs bucket's once the node has that.
+    assert re.search(rf"gs://kp-environments/|/b/kp-environments/o/|/b/{gcs.name}/o/", message)
+    assert "Workload Identity" in message
+
+
+def test_a_denied_result_cache_lookup_names_the_permission_instead_of_running_again(
+    gke, cluster, gcs
+):
+    @flow(task_runner=KineticTaskRunner(cluster=gke, allow_loopback_api=True))
+    def square() -> int:
+        return cached_square.submit(4).result()
+
+    assert square() == 16
+    with (
+        gcs.iam.revoked(Grant(gcs.name, USER_MEMBER, BUCKET_READER)),
+        pytest.raises(ConfigurationError) as refused,
+    ):
+        square()
+
+    message = str(refused.value)
+    assert f"GCS denied storage.buckets.get on the result bucket gs://{gcs.name}" in message
+    assert f"--role={BUCKET_READER}" in message
+    assert len(cluster.created_jobs()) == 1
