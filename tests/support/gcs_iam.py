@@ -40,7 +40,6 @@ from typing import Any
 
 _ROOT = Path(__file__).resolve().parents[2]
 PERMISSIONS_DOC = _ROOT / "docs" / "kubernetes.md"
-RBAC_YAML = _ROOT / "deployments" / "k8s" / "rbac.yaml"
 WORKLOAD_IDENTITY_ANNOTATION = "iam.gke.io/gcp-service-account"
 WORKLOAD_IDENTITY_USER = "roles/iam.workloadIdentityUser"
 # Who runs the tests' flows: the docs' placeholder for "you".
@@ -161,18 +160,14 @@ def documented_workload_identity_users(substitutions: dict[str, str]) -> set[tup
     }
 
 
-def rbac_yaml_annotations(project: str) -> dict[str, str]:
-    """Each service account of rbac.yaml and its Workload Identity annotation, as a user
-    uncomments it (PROJECT replaced)."""
-    found: dict[str, str] = {}
-    for document in RBAC_YAML.read_text().split("\n---"):
-        if not re.search(r"^kind: ServiceAccount$", document, re.M):
-            continue
-        name = re.search(r"^  name: (\S+)", document, re.M)
-        annotation = re.search(rf"{re.escape(WORKLOAD_IDENTITY_ANNOTATION)}: (\S+)", document)
-        if name and annotation:
-            found[name[1]] = annotation[1].replace("PROJECT", project)
-    return found
+def documented_kubectl_commands(substitutions: dict[str, str]) -> list[str]:
+    """The `kubectl` lines of docs/kubernetes.md "Permissions" (the Workload Identity
+    annotations), placeholders substituted: the test cluster's admin runs them."""
+    return [
+        _filled(line.strip(), substitutions)
+        for line in _permissions_section().splitlines()
+        if line.strip().startswith("kubectl ")
+    ]
 
 
 # -- what a request needs ---------------------------------------------------------------------

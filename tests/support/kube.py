@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shlex
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -26,10 +27,13 @@ from typing import Any
 import aiohttp
 import kmock
 
+from kinetic_prefect.common.gcs import EMULATOR_PROJECT
 from tests.support.garbage_collector import GARBAGE_COLLECTOR_AGENT, GarbageCollector
+from tests.support.gcs_iam import documented_kubectl_commands
 from tests.support.kube_auth import AUTHENTICATED, MASTERS, User
 from tests.support.kube_emulator import JOBS, PODS, ClusterEmulator
 from tests.support.kubelet import KUBELET_AGENT, Kubelet
+from tests.support.standins import Target, apply, kubectl, manifests
 
 # The cluster's own controllers: their requests are not a client's.
 _CONTROLLER_AGENTS = {KUBELET_AGENT, GARBAGE_COLLECTOR_AGENT}
@@ -42,15 +46,6 @@ NAMESPACE = "default"
 _K8S = Path(__file__).resolve().parents[2] / "deployments" / "k8s"
 RBAC_MANIFEST = _K8S / "rbac.yaml"
 USER_BINDING_MANIFEST = _K8S / "user-binding.yaml"
-# kind -> (API prefix, plural) for what the manifests above hold.
-_KINDS = {
-    "ServiceAccount": ("/api/v1", "serviceaccounts"),
-    "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles"),
-    "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
-    "ClusterRole": ("/apis/rbac.authorization.k8s.io/v1", "clusterroles"),
-    "ClusterRoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "clusterrolebindings"),
-}
-_CLUSTER_SCOPED = {"ClusterRole", "ClusterRoleBinding"}
 
 # Longer than aiohttp needs to close finished handlers, on a loaded machine.
 SERVER_STOP_SECONDS = 15.0
@@ -130,6 +125,11 @@ class KubeCluster:
 
     # -- requests as someone ------------------------------------------------------------
 
+    @property
+    def admin(self) -> Target:
+        """The cluster administrator's access (kubectl as the cluster's creator)."""
+        return Target(self.url, ADMIN_TOKEN)
+
     async def _send(self, token: str, method: str, path: str, body: Any = None) -> Any:
         headers = {"Authorization": f"Bearer {token}"}
         async with (
@@ -146,26 +146,19 @@ class KubeCluster:
         """(HTTP status, JSON answer) of one request made with the bearer token `token`."""
         return self.run(self._send(token, method, path, body))
 
-    async def _apply(self, docs: list[dict[str, Any]], namespace: str = NAMESPACE) -> None:
-        for doc in docs:
-            prefix, plural = _KINDS[doc["kind"]]
-            scope = "" if doc["kind"] in _CLUSTER_SCOPED else f"/namespaces/{namespace}"
-            path = f"{prefix}{scope}/{plural}"
-            status, answer = await self._send(ADMIN_TOKEN, "POST", path, doc)
-            if status == 409:  # applied before (a ClusterRole for another namespace): update
-                name = doc["metadata"]["name"]
-                status, answer = await self._send(ADMIN_TOKEN, "PATCH", f"{path}/{name}", doc)
-            if status >= 300:
-                raise RuntimeError(f"Applying {doc['kind']}: {status} {answer}")
-
     def apply(self, manifest: Path, namespace: str = NAMESPACE, **replace: str) -> None:
         """`kubectl apply -n namespace -f manifest` as the admin, placeholders replaced."""
-        import yaml
-
         text = manifest.read_text()
         for placeholder, value in replace.items():
             text = text.replace(placeholder, value)
-        self.run(self._apply([doc for doc in yaml.safe_load_all(text) if doc], namespace))
+        apply(self.admin, namespace, manifests(text))
+
+    def kubectl_as_admin(self, command: str) -> None:
+        """One `kubectl ...` command line, run by the admin with the kubectl stand-in."""
+        argv = shlex.split(command)
+        assert argv[0] == "kubectl", command
+        if kubectl(argv[1:], self.admin) != 0:
+            raise RuntimeError(f"{command!r} failed")
 
     def delete_as_admin(self, path: str) -> None:
         status, answer = self.request_as(ADMIN_TOKEN, "DELETE", path)
@@ -276,10 +269,15 @@ def running_cluster(
     cluster = KubeCluster(loop, workspace)
     try:
         cluster.run(cluster._start())
-        cluster.run(cluster._apply(BOOTSTRAP_POLICY))
+        apply(cluster.admin, NAMESPACE, BOOTSTRAP_POLICY)
         for namespace in namespaces:
             cluster.apply(RBAC_MANIFEST, namespace)
             cluster.apply(USER_BINDING_MANIFEST, namespace, USER=TESTER)
+            # The Workload Identity annotations docs/kubernetes.md "Permissions" makes.
+            for command in documented_kubectl_commands(
+                {"NAMESPACE": namespace, "PROJECT": EMULATOR_PROJECT}
+            ):
+                cluster.kubectl_as_admin(command)
         cluster.kubeconfig.write_text(json.dumps(cluster.kubeconfig_dict()))
         yield cluster
     finally:

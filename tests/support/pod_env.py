@@ -18,9 +18,9 @@ has none. Clients in emulator mode send no token, so as a second test-only
 stand-in the kubelet, as the metadata server would, replaces a GCS address in
 the manifest's env that belongs to the IAM proxy (tests/support/gcs_iam.py)
 with that proxy's port for the pod's identity (`workload_identity_env`). The
-annotation is read from the ServiceAccount the emulator stores, else from
-deployments/k8s/rbac.yaml as a user uncomments it; the docs' grants decide what
-each identity may do.
+annotation is read from the ServiceAccount the emulator stores (the cluster's
+admin runs the docs' `kubectl annotate` lines at start); the docs' grants decide
+what each identity may do.
 
 The container's environment otherwise starts from `image_env()` (see the
 kubelet's module docstring), and its secretKeyRefs are filled from the Secrets
@@ -92,7 +92,6 @@ def workload_identity_env(
     from tests.support.gcs_iam import (
         WORKLOAD_IDENTITY_ANNOTATION,
         proxy_serving,
-        rbac_yaml_annotations,
     )
 
     env = [dict(item) for item in pod_spec["containers"][0].get("env") or []]
@@ -105,12 +104,9 @@ def workload_identity_env(
         )
         if proxy is None:
             continue
-        stored = find_service_account(account)
-        if stored is not None:
-            annotations = stored["metadata"].get("annotations") or {}
-            annotation = annotations.get(WORKLOAD_IDENTITY_ANNOTATION)
-        else:
-            annotation = rbac_yaml_annotations(proxy.project).get(account)
+        stored = find_service_account(account) or {"metadata": {}}
+        annotations = stored["metadata"].get("annotations") or {}
+        annotation = annotations.get(WORKLOAD_IDENTITY_ANNOTATION)
         member = proxy.workload_identity_member(namespace, account, annotation)
         item["value"] = proxy.endpoint(member)
     return env

@@ -5,13 +5,15 @@ installed here, so `install_kubectl(bin_dir)` puts this stand-in on the PATH. It
 reads the kubeconfig kubectl would (`$KUBECONFIG`, its current context's server
 and bearer token) and makes the requests kubectl makes:
 
-- `kubectl apply -n NS -f FILE`: each document is created, or replaced when it
-  exists (client-side apply without the last-applied annotation);
+- `kubectl apply -n NS -f FILE` (`-f -`: standard input): each document is
+  created, or updated when it exists (client-side apply without the
+  last-applied annotation);
 - `kubectl create rolebinding NAME -n NS --role ROLE (--user U | --serviceaccount NS:SA)`;
 - `kubectl annotate serviceaccount NAME -n NS KEY=VALUE [--overwrite]`.
 
 Anything else fails, so a doc that starts using another command fails its test
-until the stand-in learns it.
+until the stand-in learns it. The test cluster's own set-up (an admin applying
+rbac.yaml) goes through the same functions, with a `Target` of its own.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import os
 import sys
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,32 +43,38 @@ class KubectlError(Exception):
     pass
 
 
-def _config() -> tuple[str, str]:
-    """The current context's server and bearer token."""
-    path = os.environ.get("KUBECONFIG", "").split(os.pathsep)[0] or str(
-        Path.home() / ".kube" / "config"
-    )
-    config = json.loads(Path(path).read_text())
-    context = next(c for c in config["contexts"] if c["name"] == config["current-context"])
-    cluster = next(c for c in config["clusters"] if c["name"] == context["context"]["cluster"])
-    user = next(u for u in config["users"] if u["name"] == context["context"]["user"])
-    return cluster["cluster"]["server"].rstrip("/"), user["user"].get("token", "")
+@dataclass(frozen=True)
+class Target:
+    """An API server and the bearer token to reach it with."""
 
+    server: str
+    token: str
 
-def _request(method: str, path: str, body: Any = None) -> tuple[int, Any]:
-    server, token = _config()
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(server + path, data=data, method=method)
-    request.add_header("Authorization", f"Bearer {token}")
-    request.add_header(
-        "Content-Type",
-        "application/merge-patch+json" if method == "PATCH" else "application/json",
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, json.loads(response.read() or b"{}")
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read() or b"{}")
+    @classmethod
+    def from_kubeconfig(cls) -> Target:
+        """The current context's server and token, from the kubeconfig kubectl would read."""
+        path = os.environ.get("KUBECONFIG", "").split(os.pathsep)[0] or str(
+            Path.home() / ".kube" / "config"
+        )
+        config = json.loads(Path(path).read_text())
+        context = next(c for c in config["contexts"] if c["name"] == config["current-context"])
+        cluster = next(c for c in config["clusters"] if c["name"] == context["context"]["cluster"])
+        user = next(u for u in config["users"] if u["name"] == context["context"]["user"])
+        return cls(cluster["cluster"]["server"].rstrip("/"), user["user"].get("token", ""))
+
+    def request(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.server + path, data=data, method=method)
+        request.add_header("Authorization", f"Bearer {self.token}")
+        request.add_header(
+            "Content-Type",
+            "application/merge-patch+json" if method == "PATCH" else "application/json",
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return response.status, json.loads(response.read() or b"{}")
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read() or b"{}")
 
 
 def _collection(kind: str, namespace: str) -> str:
@@ -81,21 +90,26 @@ def _check(status: int, answer: Any, what: str) -> None:
         raise KubectlError(f"Error from server ({what}): {message}")
 
 
-def apply(namespace: str, path: str) -> list[str]:
+def manifests(text: str) -> list[dict[str, Any]]:
+    """The documents of a YAML file, as `kubectl apply -f` reads them."""
     import yaml
 
+    return [doc for doc in yaml.safe_load_all(text) if doc]
+
+
+def apply(target: Target, namespace: str, docs: list[dict[str, Any]]) -> list[str]:
+    """`kubectl apply -n namespace -f -` of `docs`: created, or updated when they exist."""
     done = []
-    for doc in yaml.safe_load_all(Path(path).read_text()):
-        if not doc:
-            continue
+    for doc in docs:
+        doc = json.loads(json.dumps(doc))  # the caller's copy stays as it was
         kind, name = doc["kind"], doc["metadata"]["name"]
         collection = _collection(kind, namespace)
         if _KINDS[kind][2]:
             doc["metadata"]["namespace"] = namespace
-        status, answer = _request("POST", collection, doc)
+        status, answer = target.request("POST", collection, doc)
         verb = "created"
         if status == 409:
-            status, answer = _request("PUT", f"{collection}/{name}", doc)
+            status, answer = target.request("PATCH", f"{collection}/{name}", doc)
             verb = "configured"
         _check(status, answer, f"{kind} {name}")
         done.append(f"{kind.lower()}/{name} {verb}")
@@ -103,7 +117,7 @@ def apply(namespace: str, path: str) -> list[str]:
 
 
 def create_rolebinding(
-    namespace: str, name: str, role: str, users: list[str], accounts: list[str]
+    target: Target, namespace: str, name: str, role: str, users: list[str], accounts: list[str]
 ) -> str:
     subjects = [{"kind": "User", "apiGroup": "rbac.authorization.k8s.io", "name": u} for u in users]
     for account in accounts:
@@ -118,28 +132,31 @@ def create_rolebinding(
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role},
         "subjects": subjects,
     }
-    status, answer = _request("POST", _collection("RoleBinding", namespace), body)
+    status, answer = target.request("POST", _collection("RoleBinding", namespace), body)
     _check(status, answer, f"RoleBinding {name}")
     return f"rolebinding.rbac.authorization.k8s.io/{name} created"
 
 
-def annotate(namespace: str, kind: str, name: str, pairs: list[str], overwrite: bool) -> str:
+def annotate(
+    target: Target, namespace: str, kind: str, name: str, pairs: list[str], overwrite: bool
+) -> str:
     if kind not in {"serviceaccount", "sa"}:
         raise KubectlError(f"error: the stand-in kubectl cannot annotate {kind}")
     path = f"{_collection('ServiceAccount', namespace)}/{name}"
-    status, current = _request("GET", path)
+    status, current = target.request("GET", path)
     _check(status, current, f"ServiceAccount {name}")
     existing = (current.get("metadata") or {}).get("annotations") or {}
     annotations = dict(pair.split("=", 1) for pair in pairs)
     clash = [k for k in annotations if k in existing and existing[k] != annotations[k]]
     if clash and not overwrite:
         raise KubectlError(f"error: --overwrite is false but found the annotation {clash[0]}")
-    status, answer = _request("PATCH", path, {"metadata": {"annotations": annotations}})
+    status, answer = target.request("PATCH", path, {"metadata": {"annotations": annotations}})
     _check(status, answer, f"ServiceAccount {name}")
     return f"serviceaccount/{name} annotated"
 
 
-def kubectl(argv: list[str]) -> int:
+def kubectl(argv: list[str], target: Target | None = None) -> int:
+    """Run one kubectl command line against `target` (default: the kubeconfig's)."""
     parser = argparse.ArgumentParser(prog="kubectl")
     parser.add_argument("-n", "--namespace", default="default")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -161,15 +178,19 @@ def kubectl(argv: list[str]) -> int:
     annotate_parser.add_argument("--overwrite", action="store_true")
     args = parser.parse_args(argv)
     namespace = getattr(args, "sub_namespace", None) or args.namespace
+    target = target or Target.from_kubeconfig()
     try:
         if args.command == "apply":
-            lines = apply(namespace, args.filename)
+            text = sys.stdin.read() if args.filename == "-" else Path(args.filename).read_text()
+            lines = apply(target, namespace, manifests(text))
         elif args.command == "create":
             lines = [
-                create_rolebinding(namespace, args.name, args.role, args.user, args.serviceaccount)
+                create_rolebinding(
+                    target, namespace, args.name, args.role, args.user, args.serviceaccount
+                )
             ]
         else:
-            lines = [annotate(namespace, args.kind, args.name, args.pairs, args.overwrite)]
+            lines = [annotate(target, namespace, args.kind, args.name, args.pairs, args.overwrite)]
     except KubectlError as exc:
         print(exc, file=sys.stderr)
         return 1
