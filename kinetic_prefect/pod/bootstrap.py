@@ -409,6 +409,9 @@ def install(spec: dict, wheels: list[Path], target: Path) -> None:
     pins.write_text("\n".join(spec["pins"]) + "\n")
     common = ["--target", str(target), "--python-platform", spec["platform"]]
     common += ["--python-version", spec["python"], "--no-deps", "--compile-bytecode", "--quiet"]
+    # Copies, not hard links into uv's cache: the archive is packed from these files, and a
+    # link count another build changes meanwhile makes tar report a file changed as it read.
+    common += ["--link-mode", "copy"]
     if spec.get("index_url"):
         common += ["--index-url", spec["index_url"]]
     uv = _uv()
