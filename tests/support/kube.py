@@ -253,12 +253,13 @@ class KubeCluster:
 
 @contextmanager
 def running_cluster(
-    workspace: Path, namespaces: tuple[str, ...] = (NAMESPACE,)
+    workspace: Path, namespaces: tuple[str, ...] = (NAMESPACE,), set_up: bool = True
 ) -> Iterator[KubeCluster]:
     """An emulated cluster with a kubelet, served on a local port until the block ends.
 
-    deployments/k8s/rbac.yaml and the kubeconfig user's binding are applied to each
-    of `namespaces`.
+    deployments/k8s/rbac.yaml, the kubeconfig user's binding and the docs' Workload
+    Identity annotations are applied to each of `namespaces`; with `set_up=False`
+    none is (a new cluster: Kubernetes' bootstrap policy only).
     """
     from tests.support.kube_auth import BOOTSTRAP_POLICY
 
@@ -270,7 +271,7 @@ def running_cluster(
     try:
         cluster.run(cluster._start())
         apply(cluster.admin, NAMESPACE, BOOTSTRAP_POLICY)
-        for namespace in namespaces:
+        for namespace in namespaces if set_up else ():
             cluster.apply(RBAC_MANIFEST, namespace)
             cluster.apply(USER_BINDING_MANIFEST, namespace, USER=TESTER)
             # The Workload Identity annotations docs/kubernetes.md "Permissions" makes.

@@ -128,6 +128,8 @@ class Kubelet:
         self.nodes = [Node()]
         self.missing_images: set[str] = set()
         self.quota_exceeded = False
+        # The IAM proxy that stands for GCS on this cluster's network (tests/support/pod_env.py).
+        self.gcs: Any = None
         # The Job controller's backoff between attempts to create a refused pod (its
         # DefaultJobApiBackOff and MaxJobApiBackOff).
         self.create_backoff_seconds = 1.0
@@ -347,6 +349,7 @@ class Kubelet:
             lambda name: self.emulator.find("serviceaccounts", pod.namespace, name),
             pod.namespace,
             template["spec"],
+            self.gcs,
         )
         container["env"].extend(
             [

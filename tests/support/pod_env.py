@@ -84,17 +84,27 @@ def workload_identity_env(
     find_service_account: Callable[[str], dict[str, Any] | None],
     namespace: str,
     pod_spec: dict[str, Any],
+    gcs: Any = None,
 ) -> list[dict[str, str]]:
     """The container's env with the IAM proxy's address replaced by its identity's port.
 
-    Unchanged when no GCS address in it belongs to an IAM proxy (see the module docstring).
+    Unchanged when no GCS address in it belongs to an IAM proxy (see the module
+    docstring). `gcs`, the IAM proxy that stands for GCS on this cluster's
+    network, is how a pod whose manifest names no GCS address reaches it, as a
+    GKE pod reaches storage.googleapis.com.
     """
     from tests.support.gcs_iam import (
+        USER_MEMBER,
         WORKLOAD_IDENTITY_ANNOTATION,
         proxy_serving,
     )
 
     env = [dict(item) for item in pod_spec["containers"][0].get("env") or []]
+    named = {item["name"] for item in env}
+    if gcs is not None and not named & set(GCS_ADDRESS_VARIABLES):
+        # Any of the proxy's ports: the loop below puts the pod's own identity's in its place.
+        address = gcs.endpoint(USER_MEMBER)
+        env += [{"name": name, "value": address} for name in GCS_ADDRESS_VARIABLES]
     account = pod_spec.get("serviceAccountName") or "default"
     for item in env:
         proxy = (
