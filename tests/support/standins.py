@@ -1,4 +1,4 @@
-"""`kubectl` for the emulated cluster: the commands the docs tell users to run, and only those.
+"""`kubectl` and `gcloud` for the emulated cluster and GCS: the commands the docs tell users to run.
 
 The walk-through tests run the docs' command lines as written; `kubectl` is not
 installed here, so `install_kubectl(bin_dir)` puts this stand-in on the PATH. It
@@ -10,6 +10,14 @@ and bearer token) and makes the requests kubectl makes:
   last-applied annotation);
 - `kubectl create rolebinding NAME -n NS --role ROLE (--user U | --serviceaccount NS:SA)`;
 - `kubectl annotate serviceaccount NAME -n NS KEY=VALUE [--overwrite]`.
+
+`gcloud` (`install_gcloud(bin_dir)`) knows `container clusters get-credentials`
+(writes the kubeconfig `$KUBECONFIG` names, for the cluster at
+`$KP_CLUSTER_SERVER` with the token `$KP_USER_TOKEN`, as gcloud writes one for
+your Google account), `iam service-accounts create`, and the IAM bindings
+`storage buckets add-iam-policy-binding` and `iam service-accounts
+add-iam-policy-binding`: these are appended as JSON lines to `$KP_GCLOUD_LOG`,
+which the test applies to its IAM proxy (tests/support/gcs_iam.py).
 
 Anything else fails, so a doc that starts using another command fails its test
 until the stand-in learns it. The test cluster's own set-up (an admin applying
@@ -198,17 +206,83 @@ def kubectl(argv: list[str], target: Target | None = None) -> int:
     return 0
 
 
-def install_kubectl(bin_dir: Path) -> Path:
-    """Put the stand-in on a PATH directory, run by this interpreter; returns its path."""
+def _gcloud_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gcloud")
+    groups = parser.add_subparsers(dest="group", required=True)
+    container = groups.add_parser("container").add_subparsers(dest="what", required=True)
+    clusters = container.add_parser("clusters").add_subparsers(dest="verb", required=True)
+    credentials = clusters.add_parser("get-credentials")
+    credentials.add_argument("cluster")
+    credentials.add_argument("--zone")
+    credentials.add_argument("--region")
+    credentials.add_argument("--project", required=True)
+    storage = groups.add_parser("storage").add_subparsers(dest="what", required=True)
+    buckets = storage.add_parser("buckets").add_subparsers(dest="verb", required=True)
+    bucket_binding = buckets.add_parser("add-iam-policy-binding")
+    bucket_binding.add_argument("bucket")
+    bucket_binding.add_argument("--member", required=True)
+    bucket_binding.add_argument("--role", required=True)
+    iam = groups.add_parser("iam").add_subparsers(dest="what", required=True)
+    accounts = iam.add_parser("service-accounts").add_subparsers(dest="verb", required=True)
+    create = accounts.add_parser("create")
+    create.add_argument("name")
+    create.add_argument("--project", required=True)
+    account_binding = accounts.add_parser("add-iam-policy-binding")
+    account_binding.add_argument("account")
+    account_binding.add_argument("--member", required=True)
+    account_binding.add_argument("--role", required=True)
+    return parser
+
+
+def gcloud(argv: list[str]) -> int:
+    args = _gcloud_parser().parse_args(argv)
+    if args.group == "container":
+        name = f"gke_{args.project}_{args.zone or args.region}_{args.cluster}"
+        config = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": name, "cluster": {"server": os.environ["KP_CLUSTER_SERVER"]}}],
+            "users": [{"name": name, "user": {"token": os.environ["KP_USER_TOKEN"]}}],
+            "contexts": [{"name": name, "context": {"cluster": name, "user": name}}],
+            "current-context": name,
+        }
+        Path(os.environ["KUBECONFIG"]).write_text(json.dumps(config))
+        print(f"kubeconfig entry generated for {args.cluster}.")
+        return 0
+    if args.group == "storage":
+        if not args.bucket.startswith("gs://"):
+            print(f"ERROR: {args.bucket} is not a gs:// URL", file=sys.stderr)
+            return 1
+        record = {"grant": [args.bucket.removeprefix("gs://"), args.member, args.role]}
+    elif args.verb == "create":
+        record = {"service_account": f"{args.name}@{args.project}.iam.gserviceaccount.com"}
+    else:
+        record = {"account_binding": [args.account, args.member, args.role]}
+    with open(os.environ["KP_GCLOUD_LOG"], "a") as log:
+        log.write(json.dumps(record) + "\n")
+    print("Created service account." if "service_account" in record else "Updated IAM policy.")
+    return 0
+
+
+def _install(bin_dir: Path, command: str) -> Path:
+    """Put a stand-in on a PATH directory, run by this interpreter; returns its path."""
     root = Path(__file__).resolve().parents[2]
-    script = bin_dir / "kubectl"
+    script = bin_dir / command
     bin_dir.mkdir(parents=True, exist_ok=True)
     script.write_text(
         f"#!{sys.executable}\n"
         "import sys\n"
         f"sys.path.insert(0, {str(root)!r})\n"
-        "from tests.support.standins import kubectl\n"
-        "sys.exit(kubectl(sys.argv[1:]))\n"
+        f"from tests.support.standins import {command}\n"
+        f"sys.exit({command}(sys.argv[1:]))\n"
     )
     script.chmod(0o755)
     return script
+
+
+def install_kubectl(bin_dir: Path) -> Path:
+    return _install(bin_dir, "kubectl")
+
+
+def install_gcloud(bin_dir: Path) -> Path:
+    return _install(bin_dir, "gcloud")
