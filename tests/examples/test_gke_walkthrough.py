@@ -66,8 +66,9 @@ def _sh_blocks(section: str) -> list[list[str]]:
 
 
 def _filled(line: str, values: dict[str, str]) -> str:
+    """Placeholders replaced where they stand as words (not the CLUSTER of KINETIC_CLUSTER)."""
     for placeholder, value in values.items():
-        line = line.replace(placeholder, value)
+        line = re.sub(rf"(?<![\w-]){placeholder}(?![\w-])", value, line)
     return line
 
 
