@@ -7,12 +7,11 @@ result or the exception) when the task ran.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kinetic_prefect.common import signing
 from kinetic_prefect.common.layout import FINAL_STATE_JSON, FINAL_STATE_PICKLE  # noqa: F401
 
 PHASES = ("download", "verify", "extract", "unpickle", "data", "environment", "run", "report")
@@ -39,25 +38,25 @@ class FinalRecord:
     timings: dict[str, float] = field(default_factory=dict)
     # sha256 of final-state.pkl, so the signature covers the pickle too.
     pickle_sha256: str | None = None
+    # The Prefect result record the pod's engine persisted to result storage (its storage
+    # key and the sha256 of its bytes there), so the signature covers the result too.
+    result_storage_key: str | None = None
+    result_sha256: str | None = None
     signature: str | None = None
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), indent=1).encode()
 
-    def _signed_bytes(self) -> bytes:
-        fields = {k: v for k, v in asdict(self).items() if k != "signature"}
-        return json.dumps(fields, sort_keys=True).encode()
+    def _signed_fields(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if k != "signature"}
 
     def sign(self, key: str) -> None:
-        """Sign the record (and through `pickle_sha256`, the pickle) with the runner's key."""
-        self.signature = hmac.new(key.encode(), self._signed_bytes(), hashlib.sha256).hexdigest()
+        """Sign the record (and through its digests, the pickle and the result) with `key`."""
+        self.signature = signing.signature(key, self._signed_fields())
 
     def signed_by(self, key: str) -> bool:
         """True if the record carries a valid signature made with `key`."""
-        if not self.signature:
-            return False
-        expected = hmac.new(key.encode(), self._signed_bytes(), hashlib.sha256).hexdigest()
-        return hmac.compare_digest(expected, self.signature)
+        return signing.verifies(key, self._signed_fields(), self.signature)
 
     @classmethod
     def from_json(cls, data: bytes) -> FinalRecord:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kinetic_prefect.common import storage, versions
+from kinetic_prefect.common import prefect_results, storage, versions
 from kinetic_prefect.common.env import (
     CLIENT_VERSIONS_ENV,
     OUTPUT_DIR_ENV,
@@ -324,24 +324,25 @@ def report(run: PodRun, state: Any) -> int:
 
         exc = _exception_of(state)
         tb = format_traceback(exc, run) if exc is not None else None
+        shipped = prefect_process.shippable_state(state, run.contents["task"])
         final = cloudpickle.dumps(
-            {
-                "state": prefect_process.shippable_state(state, run.contents["task"]),
-                "traceback": tb,
-                "task_run": run.contents["task_run"],
-            }
+            {"state": shipped, "traceback": tb, "task_run": run.contents["task_run"]}
         )
         storage.write_uri(f"{run.job_dir}/{FINAL_STATE_PICKLE}", final)
-        run.write_record(
-            FinalRecord(
-                status=STATUS_FINISHED,
-                state_type=state.type.value,
-                state_name=state.name,
-                message=state.message,
-                traceback=tb,
-                pickle_sha256=hashlib.sha256(final).hexdigest(),
-            )
+        record = FinalRecord(
+            status=STATUS_FINISHED,
+            state_type=state.type.value,
+            state_name=state.name,
+            message=state.message,
+            traceback=tb,
+            pickle_sha256=hashlib.sha256(final).hexdigest(),
         )
+        reference = prefect_results.result_reference(shipped)
+        if reference is not None:
+            # The orchestrator reads the result from result storage: sign what is there.
+            record.result_storage_key = str(reference.storage_key)
+            record.result_sha256 = prefect_results.read_stored(reference).sha256
+        run.write_record(record)
     return EXIT_COMPLETED if state.is_completed() else EXIT_TASK_NOT_COMPLETED
 
 
