@@ -2,8 +2,8 @@
 
 Each test runs the watchdog in its own process, as a pod does (`start_watchdog()`),
 with its lease at a named pipe: every look the watchdog takes at its lease is a
-read the test answers (each from a pipe of its own), so the test decides what each look sees and counts the
-looks, without timing anything.
+read the test answers (each from a pipe of its own), so the test decides what
+each look sees and counts the looks, without timing anything.
 """
 
 from __future__ import annotations
