@@ -308,3 +308,75 @@ def test_credentials_block_without_credentials_outside_emulator_mode_fails_befor
     with pytest.raises(ConfigurationError, match="GOOGLE_APPLICATION_CREDENTIALS"):
         _submit_one(KineticTaskRunner(cluster=cluster))
     assert launched_manifests == []
+
+
+class _WritesMarkerWhenUnpickled:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (Path(self.marker).write_text, ("unpickled",))
+
+
+def _results_runner(backend: str, request: pytest.FixtureRequest, workdir: Path) -> tuple:
+    """A runner whose `cube` results go to saved result storage, and its jobs store."""
+    from kinetic_prefect.common.storage import open_store
+
+    if backend == "local":
+        name = f"results-{os.urandom(4).hex()}"
+        LocalFileSystem(basepath=str(workdir / "results")).save(name)
+        task = cube.with_options(result_storage=LocalFileSystem.load(name), persist_result=True)
+        return KineticTaskRunner(), task, open_store(str(workdir / ".kinetic"))
+    gcs = request.getfixturevalue("gcs")
+    runner = KineticTaskRunner(cluster=request.getfixturevalue("gke"), allow_loopback_api=True)
+    return runner, cube, open_store(gcs.uri)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["local", "gke"])
+def test_a_result_record_replaced_after_the_pod_wrote_it_is_refused_naming_it_never_unpickled(
+    backend: str, request: pytest.FixtureRequest, workdir: Path
+):
+    from prefect.results import ResultRecord, resolve_result_storage
+
+    from kinetic_prefect.backends.base import PodExit
+    from kinetic_prefect.common.records import FINAL_STATE_JSON, FinalRecord
+    from kinetic_prefect.errors import TamperedResultError
+    from kinetic_prefect.runner import record_key
+    from kinetic_prefect.runner.attempt_end import read_attempt_end
+
+    runner, task, store = _results_runner(backend, request, workdir)
+
+    @flow(task_runner=runner)
+    def one_cube() -> tuple[str, object, object]:
+        future = task.submit(2)
+        future.wait()
+        return future.job_id, future.task_run_id, future.state.data.metadata
+
+    job_id, task_run_id, metadata = one_cube()
+    with get_client(sync_client=True) as client:
+        flow_run_id = client.read_task_run(task_run_id).flow_run_id  # type: ignore[arg-type]
+    key = record_key.flow_run_key(record_key.master_key(), str(flow_run_id))
+
+    def attempt_end() -> object:
+        return read_attempt_end(store, job_id, PodExit(job_id, exit_code=0), key).state
+
+    assert attempt_end().result() == 8  # type: ignore[attr-defined]
+    record = FinalRecord.from_json(store.get_bytes(f"kinetic/{job_id}/{FINAL_STATE_JSON}"))
+    assert record.result_storage_key == metadata.storage_key  # type: ignore[attr-defined]
+
+    results: object = resolve_result_storage(metadata.storage_block_id, _sync=True)  # type: ignore[attr-defined]
+    stored = ResultRecord.deserialize(results.read_path(record.result_storage_key, _sync=True))  # type: ignore[attr-defined]
+    marker = workdir / "unpickled"
+    stored.result = _WritesMarkerWhenUnpickled(str(marker))
+    results.write_path(record.result_storage_key, stored.serialize(), _sync=True)  # type: ignore[attr-defined]
+
+    refused = attempt_end()
+
+    assert refused.is_failed()  # type: ignore[attr-defined]
+    error = refused.result(raise_on_failure=False)  # type: ignore[attr-defined]
+    assert isinstance(error, TamperedResultError)
+    assert record.result_storage_key in str(error)
+    assert str(task_run_id) in str(error)
+    assert "was changed after pod" in str(error)
+    assert not marker.exists()
