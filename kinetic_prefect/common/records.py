@@ -63,3 +63,37 @@ class FinalRecord:
         raw: dict[str, Any] = json.loads(data)
         known = {k: v for k, v in raw.items() if k in cls.__dataclass_fields__}
         return cls(**known)
+
+
+@dataclass
+class ResultSeal:
+    """A pod's signed word on a result record it persisted: where it is and its sha256.
+
+    Kept in the jobs store (`layout.result_seal_key`) so that a later flow run whose
+    cache policy hits the record can check it too; signed with the key of the flow
+    run that wrote it, which the orchestrator derives from its master key.
+    """
+
+    flow_run_id: str
+    task_run_id: str
+    storage_block_id: str
+    storage_key: str
+    sha256: str
+    signature: str | None = None
+
+    def _signed_fields(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if k != "signature"}
+
+    def sign(self, key: str) -> None:
+        self.signature = signing.signature(key, self._signed_fields())
+
+    def signed_by(self, key: str) -> bool:
+        return signing.verifies(key, self._signed_fields(), self.signature)
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> ResultSeal:
+        raw: dict[str, Any] = json.loads(data)
+        return cls(**{k: v for k, v in raw.items() if k in cls.__dataclass_fields__})

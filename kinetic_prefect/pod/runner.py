@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kinetic_prefect.common import prefect_results, storage, versions
+from kinetic_prefect.common import layout, prefect_results, storage, versions
 from kinetic_prefect.common.env import (
     CLIENT_VERSIONS_ENV,
     OUTPUT_DIR_ENV,
@@ -36,6 +36,7 @@ from kinetic_prefect.common.records import (
     STATUS_FINISHED,
     STATUS_PHASE_FAILED,
     FinalRecord,
+    ResultSeal,
 )
 from kinetic_prefect.pod import prefect_process
 from kinetic_prefect.pod import slice as slice_host
@@ -103,6 +104,22 @@ class PodRun:
         if key:
             record.sign(key)
         storage.write_uri(f"{self.job_dir}/{FINAL_STATE_JSON}", record.to_json())
+
+    def write_result_seal(self, reference: Any, sha256: str) -> None:
+        """The signed digest of a persisted result record, for later cache hits on it."""
+        task_run = self.contents["task_run"]
+        seal = ResultSeal(
+            flow_run_id=str(task_run.flow_run_id or "no-flow-run"),
+            task_run_id=str(task_run.id),
+            storage_block_id=str(reference.storage_block_id),
+            storage_key=str(reference.storage_key),
+            sha256=sha256,
+        )
+        key = os.environ.get(SIGNING_KEY_ENV)
+        if key:
+            seal.sign(key)
+        where = layout.result_seal_key(seal.storage_block_id, seal.storage_key)
+        storage.write_uri(f"{layout.store_root_of(self.job_dir)}/{where}", seal.to_json())
 
 
 def parse_args(argv: list[str] | None) -> PodRun:
@@ -342,6 +359,7 @@ def report(run: PodRun, state: Any) -> int:
             # The orchestrator reads the result from result storage: sign what is there.
             record.result_storage_key = str(reference.storage_key)
             record.result_sha256 = prefect_results.read_stored(reference).sha256
+            run.write_result_seal(reference, record.result_sha256)
         run.write_record(record)
     return EXIT_COMPLETED if state.is_completed() else EXIT_TASK_NOT_COMPLETED
 

@@ -34,6 +34,7 @@ from kinetic_prefect.errors import (
     TamperedRecordError,
     TamperedResultError,
 )
+from kinetic_prefect.runner.result_check import verified_result
 
 
 @dataclass(frozen=True)
@@ -94,29 +95,6 @@ def read_attempt_end(
     if final.get("traceback"):
         attach_remote_traceback(state, final["traceback"])
     return AttemptEnd(state, reported_by_pod=True, task_run=final.get("task_run"))
-
-
-def verified_result(record: FinalRecord, reference: Any, job_id: str, task_run: Any) -> Any:
-    """The result record `reference` points at, deserialised only once its bytes match `record`.
-
-    The bytes are read once; the digest the pod signed is checked on them, and
-    those same bytes are deserialised. Raises `TamperedResultError` (naming the
-    record and the task run) without deserialising anything otherwise.
-    """
-    run = f"task run {task_run.name!r} ({task_run.id})" if task_run is not None else "the task run"
-    if not record.result_sha256 or record.result_storage_key != str(reference.storage_key):
-        raise TamperedResultError(
-            f"The result record {reference.storage_key!r} of {run} is not covered by the "
-            f"signed final-state record of pod {job_id}; it was not unpickled. Rerun the task."
-        )
-    stored = prefect_results.read_stored(reference)
-    if stored.sha256 != record.result_sha256:
-        raise TamperedResultError(
-            f"The result record {stored.location} of {run} was changed after pod {job_id} "
-            f"wrote it (sha256 {stored.sha256}, signed {record.result_sha256}); it was not "
-            "unpickled. Check who else can write to the result storage, then rerun the task."
-        )
-    return prefect_results.load_record(stored.data, reference)
 
 
 def _tampered(job_id: str, what: str) -> AttemptEnd:

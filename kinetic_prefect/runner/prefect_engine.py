@@ -81,16 +81,15 @@ def run_not_ready(
     return state  # type: ignore[return-value]
 
 
-def cached_state(task: Any, task_run: TaskRun, parameters: Mapping[str, Any]) -> State[Any] | None:
-    """A `Cached` state when the task's cache policy hits a committed record, else None.
+def cache_lookup(task: Any, task_run: TaskRun, parameters: Mapping[str, Any]) -> Any:
+    """The task's result store and cache key when its cache policy applies, else None.
 
-    Decided here, before any pod: the key is computed as Prefect's engine does
-    and looked up in the task's result store.
+    The key is computed as Prefect's engine does; whether a record is there, and
+    whether it can be trusted, is `kinetic_prefect.runner.result_check`'s business.
     """
     from prefect.cache_policies import NO_CACHE, CachePolicy
     from prefect.results import get_result_store
     from prefect.settings import PREFECT_TASKS_REFRESH_CACHE
-    from prefect.states import Completed
 
     policy = task.cache_policy
     refresh = (
@@ -113,9 +112,13 @@ def cached_state(task: Any, task_run: TaskRun, parameters: Mapping[str, Any]) ->
         )
     except Exception:
         return None
-    if not key or not store.exists(key):
-        return None
-    record = store.read(key)
+    return (store, key) if key else None
+
+
+def cached(record: Any) -> State[Any]:
+    """Prefect's `Cached` state for a result record found in the result store."""
+    from prefect.states import Completed
+
     return Completed(
         name="Cached", message="Cached: the result was found in the result store.", data=record
     )

@@ -85,11 +85,15 @@ class RunnerResources:
         Derived from the persistent master key (`kinetic_prefect.runner.record_key`), so a
         restarted flow process verifies the records of pods launched before it.
         """
+        return self.flow_run_key(str(launch.task_run.flow_run_id or "no-flow-run"))
+
+    def flow_run_key(self, flow_run_id: str) -> str:
+        """The record key of any flow run (a cached result may come from another one)."""
         with self._lock:
             if self._master_key is None:
                 self._master_key = record_key.master_key()
             master = self._master_key
-        return record_key.flow_run_key(master, str(launch.task_run.flow_run_id or "no-flow-run"))
+        return record_key.flow_run_key(master, flow_run_id)
 
     def lease_env(self, launch: TaskLaunch, store: JobsStore) -> dict[str, str]:
         """What a pod needs to tell whether its flow run still has an owner (renewing it)."""

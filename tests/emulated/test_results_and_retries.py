@@ -380,3 +380,37 @@ def test_a_result_record_replaced_after_the_pod_wrote_it_is_refused_naming_it_ne
     assert str(task_run_id) in str(error)
     assert "was changed after pod" in str(error)
     assert not marker.exists()
+
+
+@pytest.mark.slow
+def test_a_cached_result_record_replaced_in_the_bucket_is_refused_naming_it_never_unpickled(
+    gke: str, workdir: Path
+):
+    from prefect.results import ResultRecord, resolve_result_storage
+
+    from kinetic_prefect.errors import TamperedResultError
+
+    base = int.from_bytes(os.urandom(4), "big")
+
+    @flow(task_runner=KineticTaskRunner(cluster=gke, allow_loopback_api=True))
+    def square() -> object:
+        future = cached_square.submit(base)
+        future.wait()
+        return future.state
+
+    first = square()
+    metadata = first.data.metadata  # type: ignore[attr-defined]
+    results: object = resolve_result_storage(metadata.storage_block_id, _sync=True)  # type: ignore[attr-defined]
+    stored = ResultRecord.deserialize(results.read_path(metadata.storage_key, _sync=True))  # type: ignore[attr-defined]
+    marker = workdir / "unpickled"
+    stored.result = _WritesMarkerWhenUnpickled(str(marker))
+    results.write_path(metadata.storage_key, stored.serialize(), _sync=True)  # type: ignore[attr-defined]
+
+    second = square()
+
+    assert first.result() == base * base  # type: ignore[attr-defined]
+    assert second.is_failed()  # type: ignore[attr-defined]
+    error = second.result(raise_on_failure=False)  # type: ignore[attr-defined]
+    assert isinstance(error, TamperedResultError)
+    assert metadata.storage_key in str(error)
+    assert not marker.exists()
