@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
-from typing import Any
 
 from kinetic_prefect.common import signing
 
 
-@dataclass(frozen=True)
-class LeaseRecord:
+@dataclass
+class LeaseRecord(signing.SignedRecord):
     """One renewal of a flow run's lease."""
 
     flow_run_id: str
@@ -32,17 +31,6 @@ class LeaseRecord:
     writer: str
     ending: str | None = None
     signature: str | None = None
-
-    def _signed_fields(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if k != "signature"}
-
-    def signed(self, key: str) -> LeaseRecord:
-        """This record with its signature under `key`."""
-        fields = self._signed_fields()
-        return LeaseRecord(**fields, signature=signing.signature(key, fields))
-
-    def signed_by(self, key: str) -> bool:
-        return signing.verifies(key, self._signed_fields(), self.signature)
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()

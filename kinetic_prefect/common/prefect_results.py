@@ -9,8 +9,9 @@ letting Prefect read (and unpickle) whatever the storage holds at that moment.
 Prefect offers no public call that deserialises a record from given bytes or
 reads a block's bytes without going through its result store, so this module
 uses `ResultRecord.deserialize` and the storage blocks' `read_path(..., _sync=True)`
-dispatch; `tests/pod/test_pod.py::test_a_result_record_round_trips_through_its_bytes`
-fails if either changes.
+dispatch. tests/emulated/test_results_and_retries.py's
+`test_a_result_record_replaced_after_the_pod_wrote_it_is_refused_naming_it_never_unpickled`
+reads a real pod's result through both first, and fails if either changes.
 """
 
 from __future__ import annotations

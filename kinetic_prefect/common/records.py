@@ -24,8 +24,12 @@ STATUS_ALREADY_FINAL = "already-final"
 
 
 @dataclass
-class FinalRecord:
-    """What a pod reports about itself, readable without unpickling anything."""
+class FinalRecord(signing.SignedRecord):
+    """What a pod reports about itself, readable without unpickling anything.
+
+    Signed with the flow run's key; through its digests the signature covers the
+    pickle and the result record in result storage too.
+    """
 
     status: str
     phase: str | None = None
@@ -47,17 +51,6 @@ class FinalRecord:
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), indent=1).encode()
 
-    def _signed_fields(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if k != "signature"}
-
-    def sign(self, key: str) -> None:
-        """Sign the record (and through its digests, the pickle and the result) with `key`."""
-        self.signature = signing.signature(key, self._signed_fields())
-
-    def signed_by(self, key: str) -> bool:
-        """True if the record carries a valid signature made with `key`."""
-        return signing.verifies(key, self._signed_fields(), self.signature)
-
     @classmethod
     def from_json(cls, data: bytes) -> FinalRecord:
         raw: dict[str, Any] = json.loads(data)
@@ -66,7 +59,7 @@ class FinalRecord:
 
 
 @dataclass
-class ResultSeal:
+class ResultSeal(signing.SignedRecord):
     """A pod's signed word on a result record it persisted: where it is and its sha256.
 
     Kept in the jobs store (`layout.result_seal_key`) so that a later flow run whose
@@ -80,15 +73,6 @@ class ResultSeal:
     storage_key: str
     sha256: str
     signature: str | None = None
-
-    def _signed_fields(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if k != "signature"}
-
-    def sign(self, key: str) -> None:
-        self.signature = signing.signature(key, self._signed_fields())
-
-    def signed_by(self, key: str) -> bool:
-        return signing.verifies(key, self._signed_fields(), self.signature)
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()

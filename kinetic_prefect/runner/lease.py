@@ -97,7 +97,8 @@ class Lease:
                 sequence=self._sequence,
                 writer=self._writer,
                 ending=self._ending,
-            ).signed(self._signing_key)
+            )
+            record.sign(self._signing_key)
             self.store.put_bytes(self.key, record.to_json())
             return record.renewed_at
 

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prefect import flow, get_client, task
@@ -318,6 +319,16 @@ class _WritesMarkerWhenUnpickled:
         return (Path(self.marker).write_text, ("unpickled",))
 
 
+def _replace_result(metadata: Any, marker: Path) -> None:
+    """Rewrite the result record in its storage: the same record, its value a booby trap."""
+    from prefect.results import ResultRecord, resolve_result_storage
+
+    results: Any = resolve_result_storage(metadata.storage_block_id, _sync=True)  # type: ignore[call-arg]
+    stored = ResultRecord.deserialize(results.read_path(metadata.storage_key, _sync=True))
+    stored.result = _WritesMarkerWhenUnpickled(str(marker))
+    results.write_path(metadata.storage_key, stored.serialize(), _sync=True)
+
+
 def _results_runner(backend: str, request: pytest.FixtureRequest, workdir: Path) -> tuple:
     """A runner whose `cube` results go to saved result storage, and its jobs store."""
     from kinetic_prefect.common.storage import open_store
@@ -337,8 +348,6 @@ def _results_runner(backend: str, request: pytest.FixtureRequest, workdir: Path)
 def test_a_result_record_replaced_after_the_pod_wrote_it_is_refused_naming_it_never_unpickled(
     backend: str, request: pytest.FixtureRequest, workdir: Path
 ):
-    from prefect.results import ResultRecord, resolve_result_storage
-
     from kinetic_prefect.backends.base import PodExit
     from kinetic_prefect.common.records import FINAL_STATE_JSON, FinalRecord
     from kinetic_prefect.errors import TamperedResultError
@@ -365,11 +374,8 @@ def test_a_result_record_replaced_after_the_pod_wrote_it_is_refused_naming_it_ne
     record = FinalRecord.from_json(store.get_bytes(f"kinetic/{job_id}/{FINAL_STATE_JSON}"))
     assert record.result_storage_key == metadata.storage_key  # type: ignore[attr-defined]
 
-    results: object = resolve_result_storage(metadata.storage_block_id, _sync=True)  # type: ignore[attr-defined]
-    stored = ResultRecord.deserialize(results.read_path(record.result_storage_key, _sync=True))  # type: ignore[attr-defined]
     marker = workdir / "unpickled"
-    stored.result = _WritesMarkerWhenUnpickled(str(marker))
-    results.write_path(record.result_storage_key, stored.serialize(), _sync=True)  # type: ignore[attr-defined]
+    _replace_result(metadata, marker)
 
     refused = attempt_end()
 
@@ -386,8 +392,6 @@ def test_a_result_record_replaced_after_the_pod_wrote_it_is_refused_naming_it_ne
 def test_a_cached_result_record_replaced_in_the_bucket_is_refused_naming_it_never_unpickled(
     gke: str, workdir: Path
 ):
-    from prefect.results import ResultRecord, resolve_result_storage
-
     from kinetic_prefect.errors import TamperedResultError
 
     base = int.from_bytes(os.urandom(4), "big")
@@ -400,11 +404,8 @@ def test_a_cached_result_record_replaced_in_the_bucket_is_refused_naming_it_neve
 
     first = square()
     metadata = first.data.metadata  # type: ignore[attr-defined]
-    results: object = resolve_result_storage(metadata.storage_block_id, _sync=True)  # type: ignore[attr-defined]
-    stored = ResultRecord.deserialize(results.read_path(metadata.storage_key, _sync=True))  # type: ignore[attr-defined]
     marker = workdir / "unpickled"
-    stored.result = _WritesMarkerWhenUnpickled(str(marker))
-    results.write_path(metadata.storage_key, stored.serialize(), _sync=True)  # type: ignore[attr-defined]
+    _replace_result(metadata, marker)
 
     second = square()
 

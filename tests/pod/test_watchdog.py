@@ -108,7 +108,8 @@ def watchdog_pod(tmp_path: Path, timeout: float, **env: str) -> Iterator[Pod]:
 
 def lease(key: str = KEY, ending: str | None = None, age: float = 0.0) -> LeaseRecord:
     record = LeaseRecord(FLOW_RUN_ID, time.time() - age, 1, "runner", ending)
-    return record.signed(key)
+    record.sign(key)
+    return record
 
 
 def test_a_forged_fresh_lease_does_not_keep_an_orphaned_pod_alive(tmp_path: Path):
