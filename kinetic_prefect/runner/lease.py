@@ -114,17 +114,28 @@ class Lease:
     def _run(self) -> None:
         next_renewal = time.monotonic() + self._renew_every
         while not self._stop.wait(self._look_every if self._flow_run_id else self._renew_every):
+            if self._flow_run_id and self._ending is None:
+                self._look_at_flow_run(self._flow_run_id)
+            if time.monotonic() < next_renewal:
+                continue
             try:
-                if self._flow_run_id and self._ending is None:
-                    ending = flow_run_ending(self._flow_run_id)
-                    if ending is not None:
-                        self.mark_ending(ending)
-                        continue
-                if time.monotonic() >= next_renewal:
-                    self.renewed_at = self._write()
-                    next_renewal = time.monotonic() + self._renew_every
+                self.renewed_at = self._write()
+                next_renewal = time.monotonic() + self._renew_every
             except Exception:
                 logger.warning("Could not renew the lease %s", self.uri, exc_info=True)
+
+    def _look_at_flow_run(self, flow_run_id: str) -> None:
+        try:
+            ending = flow_run_ending(flow_run_id)
+        except Exception:
+            # The API being unreachable ends no pod: the lease is renewed regardless.
+            logger.debug("Could not read the state of flow run %s", flow_run_id, exc_info=True)
+            return
+        if ending is not None:
+            try:
+                self.mark_ending(ending)
+            except Exception:
+                logger.warning("Could not mark the lease %s ending", self.uri, exc_info=True)
 
     def release(self) -> None:
         """Stop renewing; a flow run's lease is left marked ending, a flowless one deleted."""
