@@ -397,21 +397,20 @@ def test_a_cached_result_record_replaced_in_the_bucket_is_refused_naming_it_neve
     base = int.from_bytes(os.urandom(4), "big")
 
     @flow(task_runner=KineticTaskRunner(cluster=gke, allow_loopback_api=True))
-    def square() -> object:
+    def square() -> tuple[str, object, object]:
         future = cached_square.submit(base)
         future.wait()
-        return future.state
+        state = future.state
+        return state.type.value, state.result(raise_on_failure=False), state.data
 
-    first = square()
-    metadata = first.data.metadata  # type: ignore[attr-defined]
+    first_type, first_value, first_record = square()
     marker = workdir / "unpickled"
-    _replace_result(metadata, marker)
+    _replace_result(first_record.metadata, marker)  # type: ignore[attr-defined]
 
-    second = square()
+    second_type, error, _ = square()
 
-    assert first.result() == base * base  # type: ignore[attr-defined]
-    assert second.is_failed()  # type: ignore[attr-defined]
-    error = second.result(raise_on_failure=False)  # type: ignore[attr-defined]
+    assert (first_type, first_value) == ("COMPLETED", base * base)
+    assert second_type == "FAILED"
     assert isinstance(error, TamperedResultError)
-    assert metadata.storage_key in str(error)
+    assert first_record.metadata.storage_key in str(error)  # type: ignore[attr-defined]
     assert not marker.exists()
