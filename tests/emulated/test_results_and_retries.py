@@ -360,7 +360,8 @@ def test_a_result_record_replaced_after_the_pod_wrote_it_is_refused_naming_it_ne
     def one_cube() -> tuple[str, object, object]:
         future = task.submit(2)
         future.wait()
-        return future.job_id, future.task_run_id, future.state.data.metadata
+        data = future.state.data  # the verified record (its metadata, were it not read)
+        return future.job_id, future.task_run_id, getattr(data, "metadata", data)
 
     job_id, task_run_id, metadata = one_cube()
     with get_client(sync_client=True) as client:
