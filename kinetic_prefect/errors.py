@@ -71,6 +71,10 @@ class TamperedRecordError(KineticError):
     """A pod's final-state record failed its integrity check and was not unpickled."""
 
 
+class TamperedResultError(TamperedRecordError):
+    """A task's result record in result storage is not what its pod signed; not unpickled."""
+
+
 class CheckpointError(KineticError, LookupError):
     """A `Checkpoint` has no step to give, or a template does not fit what it holds."""
 

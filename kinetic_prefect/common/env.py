@@ -31,6 +31,8 @@ SECRET_SETTING_PATHS_ENV = "KINETIC_SECRET_SETTING_PATHS"
 
 # -- ownership: the runner's lease and the pod's watchdog -----------------------------
 LEASE_URI_ENV = "KINETIC_LEASE_URI"
+# When the runner renewed the lease last before launching the pod: no older lease counts.
+LEASE_SINCE_ENV = "KINETIC_LEASE_SINCE"
 ORPHAN_TIMEOUT_ENV = "KINETIC_ORPHAN_TIMEOUT_SECONDS"
 # Between the SIGTERM that ends a pod and the SIGKILL after it.
 TERMINATION_GRACE_ENV = "KINETIC_TERMINATION_GRACE_SECONDS"

@@ -13,6 +13,7 @@ The jobs store is one prefix, `gs://{jobs bucket}/...` on gke or `.kinetic/` loc
     data-markers/{sha256}                its file list, written last
     env-cache/{key}/...                  shipped environments (launch/environment.py)
     leases/{flow_run_id}.json            the runner's lease over its flow run's pods
+    result-seals/{sha256}.json           a pod's signed digest of a result record it persisted
     outputs/{flow_run_id}/{task_key}/    KINETIC_OUTPUT_DIR (default root); never cleaned up
 """
 
@@ -24,6 +25,7 @@ DATA_CACHE_PREFIX = "data-cache"
 DATA_MARKER_PREFIX = "data-markers"
 ENV_CACHE_PREFIX = "env-cache"
 LEASES_PREFIX = "leases"
+RESULT_SEALS_PREFIX = "result-seals"
 OUTPUTS_PREFIX = "outputs"
 
 PAYLOAD_FILE = "payload.pkl"
@@ -62,3 +64,17 @@ def data_marker_key(digest: str) -> str:
 
 def lease_key(flow_run_id: str) -> str:
     return f"{LEASES_PREFIX}/{flow_run_id}.json"
+
+
+def result_seal_key(storage_block_id: str, storage_key: str) -> str:
+    """The seal of the result record at `storage_key` in result storage block `storage_block_id`."""
+    import hashlib
+
+    digest = hashlib.sha256(f"{storage_block_id}/{storage_key}".encode()).hexdigest()
+    return f"{RESULT_SEALS_PREFIX}/{digest}.json"
+
+
+def store_root_of(job_dir_uri: str) -> str:
+    """The jobs store's root, from the URI of one of its job directories."""
+    suffix = "/" + job_dir(job_dir_uri.rstrip("/").rsplit("/", 1)[-1])
+    return job_dir_uri.rstrip("/").removesuffix(suffix)

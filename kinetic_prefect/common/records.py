@@ -7,12 +7,11 @@ result or the exception) when the task ran.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kinetic_prefect.common import signing
 from kinetic_prefect.common.layout import FINAL_STATE_JSON, FINAL_STATE_PICKLE  # noqa: F401
 
 PHASES = ("download", "verify", "extract", "unpickle", "data", "environment", "run", "report")
@@ -25,8 +24,12 @@ STATUS_ALREADY_FINAL = "already-final"
 
 
 @dataclass
-class FinalRecord:
-    """What a pod reports about itself, readable without unpickling anything."""
+class FinalRecord(signing.SignedRecord):
+    """What a pod reports about itself, readable without unpickling anything.
+
+    Signed with the flow run's key; through its digests the signature covers the
+    pickle and the result record in result storage too.
+    """
 
     status: str
     phase: str | None = None
@@ -39,28 +42,42 @@ class FinalRecord:
     timings: dict[str, float] = field(default_factory=dict)
     # sha256 of final-state.pkl, so the signature covers the pickle too.
     pickle_sha256: str | None = None
+    # The Prefect result record the pod's engine persisted to result storage (its storage
+    # key and the sha256 of its bytes there), so the signature covers the result too.
+    result_storage_key: str | None = None
+    result_sha256: str | None = None
     signature: str | None = None
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), indent=1).encode()
-
-    def _signed_bytes(self) -> bytes:
-        fields = {k: v for k, v in asdict(self).items() if k != "signature"}
-        return json.dumps(fields, sort_keys=True).encode()
-
-    def sign(self, key: str) -> None:
-        """Sign the record (and through `pickle_sha256`, the pickle) with the runner's key."""
-        self.signature = hmac.new(key.encode(), self._signed_bytes(), hashlib.sha256).hexdigest()
-
-    def signed_by(self, key: str) -> bool:
-        """True if the record carries a valid signature made with `key`."""
-        if not self.signature:
-            return False
-        expected = hmac.new(key.encode(), self._signed_bytes(), hashlib.sha256).hexdigest()
-        return hmac.compare_digest(expected, self.signature)
 
     @classmethod
     def from_json(cls, data: bytes) -> FinalRecord:
         raw: dict[str, Any] = json.loads(data)
         known = {k: v for k, v in raw.items() if k in cls.__dataclass_fields__}
         return cls(**known)
+
+
+@dataclass
+class ResultSeal(signing.SignedRecord):
+    """A pod's signed word on a result record it persisted: where it is and its sha256.
+
+    Kept in the jobs store (`layout.result_seal_key`) so that a later flow run whose
+    cache policy hits the record can check it too; signed with the key of the flow
+    run that wrote it, which the orchestrator derives from its master key.
+    """
+
+    flow_run_id: str
+    task_run_id: str
+    storage_block_id: str
+    storage_key: str
+    sha256: str
+    signature: str | None = None
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> ResultSeal:
+        raw: dict[str, Any] = json.loads(data)
+        return cls(**{k: v for k, v in raw.items() if k in cls.__dataclass_fields__})

@@ -340,6 +340,8 @@ def record_failure(job_dir: str, message: str, error: BaseException) -> None:
         "versions": {},
         "timings": {},
         "pickle_sha256": None,
+        "result_storage_key": None,
+        "result_sha256": None,
     }
     key = os.environ.get(SIGNING_KEY_ENV)
     signature = None

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kinetic_prefect.common import storage, versions
+from kinetic_prefect.common import layout, prefect_results, storage, versions
 from kinetic_prefect.common.env import (
     CLIENT_VERSIONS_ENV,
     OUTPUT_DIR_ENV,
@@ -40,6 +40,7 @@ from kinetic_prefect.common.records import (
     STATUS_FINISHED,
     STATUS_PHASE_FAILED,
     FinalRecord,
+    ResultSeal,
 )
 from kinetic_prefect.pod import prefect_process
 from kinetic_prefect.pod import slice as slice_host
@@ -111,6 +112,22 @@ class PodRun:
         if key:
             record.sign(key)
         storage.write_uri(f"{self.job_dir}/{FINAL_STATE_JSON}", record.to_json())
+
+    def write_result_seal(self, reference: Any, sha256: str) -> None:
+        """The signed digest of a persisted result record, for later cache hits on it."""
+        task_run = self.contents["task_run"]
+        seal = ResultSeal(
+            flow_run_id=str(task_run.flow_run_id or "no-flow-run"),
+            task_run_id=str(task_run.id),
+            storage_block_id=str(reference.storage_block_id),
+            storage_key=str(reference.storage_key),
+            sha256=sha256,
+        )
+        key = os.environ.get(SIGNING_KEY_ENV)
+        if key:
+            seal.sign(key)
+        where = layout.result_seal_key(seal.storage_block_id, seal.storage_key)
+        storage.write_uri(f"{layout.store_root_of(self.job_dir)}/{where}", seal.to_json())
 
 
 def parse_args(argv: list[str] | None) -> PodRun:
@@ -375,24 +392,26 @@ def report(run: PodRun, state: Any) -> int:
 
         exc = _exception_of(state)
         tb = format_traceback(exc, run) if exc is not None else None
+        shipped = prefect_process.shippable_state(state, run.contents["task"])
         final = cloudpickle.dumps(
-            {
-                "state": prefect_process.shippable_state(state, run.contents["task"]),
-                "traceback": tb,
-                "task_run": run.contents["task_run"],
-            }
+            {"state": shipped, "traceback": tb, "task_run": run.contents["task_run"]}
         )
         storage.write_uri(f"{run.job_dir}/{FINAL_STATE_PICKLE}", final)
-        run.write_record(
-            FinalRecord(
-                status=STATUS_FINISHED,
-                state_type=state.type.value,
-                state_name=state.name,
-                message=state.message,
-                traceback=tb,
-                pickle_sha256=hashlib.sha256(final).hexdigest(),
-            )
+        record = FinalRecord(
+            status=STATUS_FINISHED,
+            state_type=state.type.value,
+            state_name=state.name,
+            message=state.message,
+            traceback=tb,
+            pickle_sha256=hashlib.sha256(final).hexdigest(),
         )
+        reference = prefect_results.result_reference(shipped)
+        if reference is not None:
+            # The orchestrator reads the result from result storage: sign what is there.
+            record.result_storage_key = str(reference.storage_key)
+            record.result_sha256 = prefect_results.read_stored(reference).sha256
+            run.write_result_seal(reference, record.result_sha256)
+        run.write_record(record)
     return EXIT_COMPLETED if state.is_completed() else EXIT_TASK_NOT_COMPLETED
 
 

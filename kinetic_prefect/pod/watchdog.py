@@ -1,60 +1,60 @@
 """A pod that nobody owns any more ends itself.
 
-Two signs of that: the runner's lease (`kinetic_prefect.runner.lease`) is older than
-`KINETIC_ORPHAN_TIMEOUT_SECONDS` or gone, or the flow run is final or being
-cancelled (a cancel in the UI reaches pods even when the flow process is gone).
-The pod then gets a SIGTERM, so a task that opted into
-`checkpoint_manager(save_on_preemption=True)` saves its state, and a SIGKILL
-after `KINETIC_TERMINATION_GRACE_SECONDS`.
+The runner's lease (`kinetic_prefect.runner.lease`, format in
+`kinetic_prefect.common.lease`) says so: a lease marked `ending` (the flow run
+was cancelled or is over), or no verified renewal for longer than
+`KINETIC_ORPHAN_TIMEOUT_SECONDS` (the flow process is gone). A lease whose
+signature does not verify with the pod's key counts as no renewal. The pod
+never asks the Prefect API: the lease is the only thing it reads, so a flow run
+with 500 pods costs the API nothing here. The pod then gets a SIGTERM, so a task
+that opted into `checkpoint_manager(save_on_preemption=True)` saves its state,
+and a SIGKILL after `KINETIC_TERMINATION_GRACE_SECONDS`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
 import threading
 import time
-from typing import Any
 
 from kinetic_prefect.common.env import (
     FLOW_RUN_ID_ENV,
+    LEASE_SINCE_ENV,
     LEASE_URI_ENV,
     ORPHAN_TIMEOUT_ENV,
+    SIGNING_KEY_ENV,
     emergency_window_seconds,
 )
+from kinetic_prefect.common.lease import LeaseWatch
+
+# The most time between two looks at the lease.
+LOOK_SECONDS = 15.0
 
 
-def _lease_age(uri: str, started: float) -> float:
+def _read_lease(uri: str) -> bytes | None:
     from kinetic_prefect.common import storage
 
     try:
-        renewed = float(json.loads(storage.read_uri(uri))["renewed_at"])
+        return storage.read_uri(uri)
     except Exception:
-        renewed = started  # never seen: count from the pod's start
-    return time.time() - renewed
+        return None  # gone or unreadable: no renewal
 
 
-def _flow_run_over(flow_run_id: str) -> str | None:
-    try:
-        from prefect import get_client
-
-        with get_client(sync_client=True) as client:
-            state: Any = client.read_flow_run(flow_run_id).state  # type: ignore[arg-type]
-    except Exception:
-        return None
-    if state is not None and (state.is_final() or state.name == "Cancelling"):
-        return f"the flow run is {state.name}"
-    return None
-
-
-def orphan_reason(lease_uri: str, timeout: float, flow_run_id: str, started: float) -> str | None:
-    """Why this pod has no owner any more, or None while it has one."""
-    age = _lease_age(lease_uri, started)
+def orphan_reason(watch: LeaseWatch, lease_uri: str, timeout: float) -> str | None:
+    """Why this pod has no owner any more (after one more look at the lease), or None."""
+    watch.look(_read_lease(lease_uri))
+    if watch.ending:
+        return f"the runner marked its lease: the flow run is {watch.ending}"
+    age = time.time() - watch.renewed_at
     if age > timeout:
-        return f"the runner's lease is {age:.0f}s old (limit {timeout:.0f}s): the flow is gone"
-    return _flow_run_over(flow_run_id) if flow_run_id else None
+        return (
+            f"the runner's lease was last renewed {age:.0f}s ago (limit {timeout:.0f}s"
+            f"{f'; {watch.ignored} unverified lease(s) ignored' if watch.ignored else ''}): "
+            "the flow is gone"
+        )
+    return None
 
 
 def _end_pod(reason: str) -> None:
@@ -73,16 +73,20 @@ def start_watchdog() -> None:
     if not lease_uri:
         return
     timeout = float(os.environ.get(ORPHAN_TIMEOUT_ENV, "300"))
-    flow_run_id = os.environ.get(FLOW_RUN_ID_ENV, "")
-    started = time.time()
-    every = min(max(timeout / 4, 0.5), 15.0)
+    since = float(os.environ.get(LEASE_SINCE_ENV) or time.time())
+    watch = LeaseWatch(
+        os.environ.get(SIGNING_KEY_ENV, ""),
+        os.environ.get(FLOW_RUN_ID_ENV) or "no-flow-run",
+        since,
+    )
+    every = min(max(timeout / 4, 0.5), LOOK_SECONDS)
 
-    def watch() -> None:
+    def run() -> None:
         while True:
             time.sleep(every)
-            reason = orphan_reason(lease_uri, timeout, flow_run_id, started)
+            reason = orphan_reason(watch, lease_uri, timeout)
             if reason:
                 _end_pod(reason)
                 return
 
-    threading.Thread(target=watch, name="kinetic-watchdog", daemon=True).start()
+    threading.Thread(target=run, name="kinetic-watchdog", daemon=True).start()

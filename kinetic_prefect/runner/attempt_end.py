@@ -18,7 +18,7 @@ from prefect.client.schemas.objects import StateType
 from prefect.states import Cancelled, Crashed, Failed, State, get_state_exception
 
 from kinetic_prefect.backends.base import PodExit
-from kinetic_prefect.common import layout
+from kinetic_prefect.common import layout, prefect_results
 from kinetic_prefect.common.records import (
     FINAL_STATE_JSON,
     FINAL_STATE_PICKLE,
@@ -33,7 +33,9 @@ from kinetic_prefect.errors import (
     PodStartError,
     RemoteTraceback,
     TamperedRecordError,
+    TamperedResultError,
 )
+from kinetic_prefect.runner.result_check import verified_result
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,12 @@ def read_attempt_end(
         return _tampered(job_id, f"{FINAL_STATE_PICKLE} does not match the signed record's digest")
     final = cloudpickle.loads(pickled)
     state = final["state"]
+    reference = prefect_results.result_reference(state)
+    if reference is not None:
+        try:
+            state.data = verified_result(record, reference, job_id, final.get("task_run"))
+        except TamperedResultError as refused:
+            return AttemptEnd(Failed(message=str(refused), data=refused), reported_by_pod=False)
     if final.get("traceback"):
         attach_remote_traceback(state, final["traceback"])
     return AttemptEnd(state, reported_by_pod=True, task_run=final.get("task_run"))

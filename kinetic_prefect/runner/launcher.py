@@ -57,6 +57,7 @@ from kinetic_prefect.launch.pod_secrets import PodSecrets, split_env
 from kinetic_prefect.launch.shipping import ship_parameters
 from kinetic_prefect.launch.slices import build_workload
 from kinetic_prefect.runner import prefect_engine as prefect_bridge
+from kinetic_prefect.runner import result_check
 from kinetic_prefect.runner.attempt_end import exception_or_none, read_attempt_end
 from kinetic_prefect.runner.reattach import Reattacher, identity_labels
 from kinetic_prefect.runner.resources import RunnerResources
@@ -108,7 +109,14 @@ class Launcher:
             if launch.cancelled:
                 return
             launch.parameters = self.ship_data(launch, resolved)
-            cached = prefect_bridge.cached_state(launch.task, launch.task_run, resolved)
+            launch.store = launch.store or open_store(launch.settings.resolved_jobs_root())
+            cached = result_check.cached_state(
+                launch.task,
+                launch.task_run,
+                resolved,
+                launch.store,
+                self.resources.flow_run_key,
+            )
             if cached is not None:
                 self.conclude(launch, cached)
                 return

@@ -1,57 +1,150 @@
 """A flow run's lease: proof, renewed while the flow runs, that someone still owns its pods.
 
 The runner that runs a flow run writes `leases/{flow_run_id}.json` in the jobs
-store every `orphan_timeout_seconds / 4` and deletes it when it closes. The
-key names the flow run only, so a flow process restarted for the same flow run
-(or a Prefect retry of it) renews the very lease its predecessor's pods read,
-and those pods live on to be reattached. Pods read it
-(`kinetic_prefect.pod.watchdog`): a lease older than the timeout means the flow
-process is gone (killed, laptop asleep, CI runner lost), and the pod ends itself
-instead of writing checkpoints nobody will collect.
+store every `orphan_timeout_seconds / 4`, signed with the flow run's key
+(`kinetic_prefect.common.lease`). The key names the flow run only, so a flow
+process restarted for the same flow run (or a Prefect retry of it) renews the
+very lease its predecessor's pods read, and those pods live on to be
+reattached. Pods read it (`kinetic_prefect.pod.watchdog`): a lease older than
+the timeout means the flow process is gone (killed, laptop asleep, CI runner
+lost), and the pod ends itself instead of writing checkpoints nobody will collect.
+
+The lease also tells pods that their flow run is over, so they never ask the
+Prefect API themselves: the runner looks at its flow run's state (one request
+per flow process every `min(timeout / 4, 15)` seconds, however many pods it has)
+and, once the flow run is cancelling or final, marks the lease `ending`; it marks
+it `ending` too when it closes. Every pod that reads the marked lease ends.
 """
 
 from __future__ import annotations
 
-import json
+import contextvars
+import secrets
 import threading
 import time
 
 from prefect.logging import get_logger
 
+from kinetic_prefect.common.lease import LeaseRecord
 from kinetic_prefect.common.storage import JobsStore
 
 logger = get_logger("kinetic_prefect.runner.lease")
 
+ENDING_CANCELLED = "cancelled"
+ENDING_ENDED = "ended"
+# The most time between a cancel in the UI and the runner marking the lease.
+FLOW_RUN_LOOK_SECONDS = 15.0
+
+
+def flow_run_ending(flow_run_id: str) -> str | None:
+    """`cancelled` or `ended` once the flow run is cancelling or final, else None."""
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        state = client.read_flow_run(flow_run_id).state  # type: ignore[arg-type]
+    if state is None:
+        return None
+    if state.is_cancelling() or state.is_cancelled():
+        return ENDING_CANCELLED
+    return ENDING_ENDED if state.is_final() else None
+
 
 class Lease:
-    """Renews one lease object in the background until `release()`."""
+    """Renews one flow run's signed lease in the background until `release()`.
 
-    def __init__(self, store: JobsStore, key: str, timeout_seconds: float) -> None:
+    `flow_run_id` None: a runner used outside a flow run, whose lease is shared with
+    every other such runner; it is never marked ending and the flow run is not looked at.
+    """
+
+    def __init__(
+        self,
+        store: JobsStore,
+        key: str,
+        flow_run_id: str | None,
+        signing_key: str,
+        timeout_seconds: float,
+    ) -> None:
         self.store = store
         self.key = key
         self.uri = store.uri(key)
-        self._every = max(timeout_seconds / 4, 0.5)
+        self._flow_run_id = flow_run_id
+        self._signing_key = signing_key
+        self._renew_every = max(timeout_seconds / 4, 0.5)
+        self._look_every = min(self._renew_every, FLOW_RUN_LOOK_SECONDS)
+        self._writer = secrets.token_hex(8)
+        self._sequence = 0
+        self._ending: str | None = None
+        self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._renew()
-        self._thread = threading.Thread(target=self._run, name="kinetic-lease", daemon=True)
+        self.renewed_at = self._write()
+        # The flow's context (settings, API client) for the flow run look-ups.
+        context = contextvars.copy_context()
+        self._thread = threading.Thread(
+            target=context.run, args=(self._run,), name="kinetic-lease", daemon=True
+        )
         self._thread.start()
 
-    def _renew(self) -> None:
-        body = json.dumps({"renewed_at": time.time()}).encode()
-        self.store.put_bytes(self.key, body)
+    @property
+    def ending(self) -> str | None:
+        return self._ending
+
+    def _write(self) -> float:
+        with self._lock:
+            self._sequence += 1
+            record = LeaseRecord(
+                flow_run_id=self._flow_run_id or "no-flow-run",
+                renewed_at=time.time(),
+                sequence=self._sequence,
+                writer=self._writer,
+                ending=self._ending,
+            )
+            record.sign(self._signing_key)
+            self.store.put_bytes(self.key, record.to_json())
+            return record.renewed_at
+
+    def mark_ending(self, ending: str) -> None:
+        """Tell every pod of the flow run that it is over (they end at their next look)."""
+        with self._lock:
+            if self._ending is not None or self._flow_run_id is None:
+                return
+            self._ending = ending
+        logger.info("Flow run %s is %s: marking its lease %s", self._flow_run_id, ending, self.uri)
+        self.renewed_at = self._write()
 
     def _run(self) -> None:
-        while not self._stop.wait(self._every):
+        next_renewal = time.monotonic() + self._renew_every
+        while not self._stop.wait(self._look_every if self._flow_run_id else self._renew_every):
+            if self._flow_run_id and self._ending is None:
+                self._look_at_flow_run(self._flow_run_id)
+            if time.monotonic() < next_renewal:
+                continue
             try:
-                self._renew()
+                self.renewed_at = self._write()
+                next_renewal = time.monotonic() + self._renew_every
             except Exception:
                 logger.warning("Could not renew the lease %s", self.uri, exc_info=True)
 
+    def _look_at_flow_run(self, flow_run_id: str) -> None:
+        try:
+            ending = flow_run_ending(flow_run_id)
+        except Exception:
+            # The API being unreachable ends no pod: the lease is renewed regardless.
+            logger.debug("Could not read the state of flow run %s", flow_run_id, exc_info=True)
+            return
+        if ending is not None:
+            try:
+                self.mark_ending(ending)
+            except Exception:
+                logger.warning("Could not mark the lease %s ending", self.uri, exc_info=True)
+
     def release(self) -> None:
-        """Stop renewing and delete the lease: any pod still running sees it gone."""
+        """Stop renewing; a flow run's lease is left marked ending, a flowless one deleted."""
         self._stop.set()
         self._thread.join(timeout=10)
         try:
-            self.store.delete_prefix(self.key)
+            if self._flow_run_id:
+                self.mark_ending(ENDING_ENDED)
+            else:
+                self.store.delete_prefix(self.key)
         except Exception:
-            logger.warning("Could not delete the lease %s", self.uri, exc_info=True)
+            logger.warning("Could not mark the lease %s ending", self.uri, exc_info=True)

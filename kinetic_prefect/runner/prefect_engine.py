@@ -81,16 +81,15 @@ def run_not_ready(
     return state  # type: ignore[return-value]
 
 
-def cached_state(task: Any, task_run: TaskRun, parameters: Mapping[str, Any]) -> State[Any] | None:
-    """A `Cached` state when the task's cache policy hits a committed record, else None.
+def cache_lookup(task: Any, task_run: TaskRun, parameters: Mapping[str, Any]) -> Any:
+    """The task's result store and cache key when its cache policy applies, else None.
 
-    Decided here, before any pod: the key is computed as Prefect's engine does
-    and looked up in the task's result store.
+    The key is computed as Prefect's engine does; whether a record is there, and
+    whether it can be trusted, is `kinetic_prefect.runner.result_check`'s business.
     """
     from prefect.cache_policies import NO_CACHE, CachePolicy
     from prefect.results import get_result_store
     from prefect.settings import PREFECT_TASKS_REFRESH_CACHE
-    from prefect.states import Completed
 
     policy = task.cache_policy
     refresh = (
@@ -113,40 +112,36 @@ def cached_state(task: Any, task_run: TaskRun, parameters: Mapping[str, Any]) ->
         )
     except Exception:
         return None
-    if not key or not _committed(store, key):
-        return None
-    record = store.read(key)
+    return (store, key) if key else None
+
+
+def cached(record: Any) -> State[Any]:
+    """Prefect's `Cached` state for a result record found in the result store."""
+    from prefect.states import Completed
+
     return Completed(
         name="Cached", message="Cached: the result was found in the result store.", data=record
     )
 
 
-def _committed(store: Any, key: str) -> bool:
-    """Whether the result store holds a record under `key`.
+def denied_lookup(exc: BaseException, storage: Any) -> Exception | None:
+    """The error to raise when a cache lookup failed because GCS denied it, else None.
 
-    Prefect's `ResultStore.exists` answers False to any error, so a miss is read
-    once more: a read GCS denied raises, naming the permission, the bucket and
-    the grant, rather than running the task again on a cache that cannot be read.
+    A lookup that fails is otherwise a miss, and the task runs again; one GCS
+    denied names the permission, the bucket and the grant instead.
     """
     from kinetic_prefect.common import gcs
     from kinetic_prefect.errors import ConfigurationError
 
-    if store.exists(key):
-        return True
-    try:
-        store.read(key)
-    except Exception as exc:
-        permission = gcs.denied_permission(exc)
-        if permission is None:
-            return False
-        storage = store.metadata_storage or store.result_storage
-        bucket = getattr(storage, "bucket", "?")
-        raise ConfigurationError(
-            f"Cannot look up the task's cached result: GCS denied {permission} on the result "
-            f"bucket gs://{bucket} ({getattr(exc, 'message', exc)}). "
-            + gcs.grant_hint(bucket, [permission])
-        ) from exc
-    return False
+    permission = gcs.denied_permission(exc)
+    if permission is None:
+        return None
+    bucket = getattr(storage, "bucket", "?")
+    return ConfigurationError(
+        f"Cannot look up the task's cached result: GCS denied {permission} on the result "
+        f"bucket gs://{bucket} ({getattr(exc, 'message', exc)}). "
+        + gcs.grant_hint(bucket, [permission])
+    )
 
 
 def retry_delay(task: Any, attempts_done: int) -> float:

@@ -15,7 +15,12 @@ from prefect.logging import get_logger
 
 from kinetic_prefect.backends import create_backend
 from kinetic_prefect.backends.base import Backend
-from kinetic_prefect.common.env import FLOW_RUN_ID_ENV, LEASE_URI_ENV, ORPHAN_TIMEOUT_ENV
+from kinetic_prefect.common.env import (
+    FLOW_RUN_ID_ENV,
+    LEASE_SINCE_ENV,
+    LEASE_URI_ENV,
+    ORPHAN_TIMEOUT_ENV,
+)
 from kinetic_prefect.common.layout import lease_key
 from kinetic_prefect.common.storage import JobsStore
 from kinetic_prefect.data import upload as data_upload
@@ -80,24 +85,34 @@ class RunnerResources:
         Derived from the persistent master key (`kinetic_prefect.runner.record_key`), so a
         restarted flow process verifies the records of pods launched before it.
         """
+        return self.flow_run_key(str(launch.task_run.flow_run_id or "no-flow-run"))
+
+    def flow_run_key(self, flow_run_id: str) -> str:
+        """The record key of any flow run (a cached result may come from another one)."""
         with self._lock:
             if self._master_key is None:
                 self._master_key = record_key.master_key()
             master = self._master_key
-        return record_key.flow_run_key(master, str(launch.task_run.flow_run_id or "no-flow-run"))
+        return record_key.flow_run_key(master, flow_run_id)
 
     def lease_env(self, launch: TaskLaunch, store: JobsStore) -> dict[str, str]:
         """What a pod needs to tell whether its flow run still has an owner (renewing it)."""
         flow_run_id = str(launch.task_run.flow_run_id or "no-flow-run")
         timeout = launch.settings.orphan_timeout_seconds
+        signing_key = self.signing_key(launch)
         with self._lock:
             lease = self._leases.get((store.uri(""), flow_run_id))
             if lease is None:
-                lease = Lease(store, lease_key(flow_run_id), timeout)
+                owner = str(launch.task_run.flow_run_id) if launch.task_run.flow_run_id else None
+                lease = Lease(store, lease_key(flow_run_id), owner, signing_key, timeout)
                 self._leases[(store.uri(""), flow_run_id)] = lease
-        env = {LEASE_URI_ENV: lease.uri, ORPHAN_TIMEOUT_ENV: str(timeout)}
+        env = {
+            LEASE_URI_ENV: lease.uri,
+            LEASE_SINCE_ENV: repr(lease.renewed_at),
+            ORPHAN_TIMEOUT_ENV: str(timeout),
+        }
         if launch.task_run.flow_run_id:
-            env[FLOW_RUN_ID_ENV] = str(launch.task_run.flow_run_id)
+            env[FLOW_RUN_ID_ENV] = flow_run_id
         return env
 
     def close(self) -> None:

@@ -1,7 +1,11 @@
-"""Cancelling a flow run (as the UI does) stops its task pods though its flow process is gone.
+"""Cancelling a flow run (as the UI does) stops its task pods, and no pod asks the API to learn it.
 
-The flow process is SIGKILLed first, with an orphan timeout far longer than the test's
-bound, so only the pods' own look at the flow run's state can end them in time.
+The flow process's runner looks at its flow run's state (one request every 15 s
+for the whole flow run) and marks the lease its pods read; each pod's watchdog
+sees the mark at its next look at the lease. The orphan timeout is far longer
+than the test's bound, so only the marked lease can end the pods in time. A flow
+process that is gone cannot mark anything: its pods end after the orphan timeout
+(tests/emulated/test_reattach.py).
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import pytest
 from prefect import get_client
 from prefect.states import Cancelling
 
+from kinetic_prefect.pod.watchdog import LOOK_SECONDS
+from kinetic_prefect.runner.lease import FLOW_RUN_LOOK_SECONDS
 from tests.conftest import GcsTestBucket
 from tests.emulated.test_reattach import (
     SIGTERM_SLACK,
@@ -28,9 +34,9 @@ from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_api", "workdir")]
 
-# The pods' watchdog looks every orphan_timeout/4 s, at most every 15 s.
 ORPHAN_TIMEOUT = 60
-LOOK_EVERY = ORPHAN_TIMEOUT / 4
+# The runner's look at the flow run, then the pod's look at the lease.
+NOTICE = min(FLOW_RUN_LOOK_SECONDS, ORPHAN_TIMEOUT / 4) + min(LOOK_SECONDS, ORPHAN_TIMEOUT / 4)
 OPTIONS = {"orphan_timeout": ORPHAN_TIMEOUT, "steps": 200, "pause": 1.0}
 
 
@@ -40,25 +46,29 @@ def _cancel(flow_run_id: str) -> float:
     return time.monotonic()
 
 
-def test_cancelling_a_flow_run_whose_process_is_gone_ends_its_local_pods(workdir: Path):
-    first, flow_run_id = _started_training(_local_checkpoints, **OPTIONS)
-    _kill(first)
-    assert _live_pods(workdir, flow_run_id)
+def test_cancelling_a_flow_run_ends_its_local_pods_through_the_lease(workdir: Path):
+    process, flow_run_id = _started_training(_local_checkpoints, **OPTIONS)
+    try:
+        assert _live_pods(workdir, flow_run_id)
 
-    cancelled = _cancel(flow_run_id)
-    wait_until(lambda: not _live_pods(workdir, flow_run_id), 120, "the pod to end")
+        cancelled = _cancel(flow_run_id)
+        wait_until(lambda: not _live_pods(workdir, flow_run_id), 120, "the pod to end")
 
-    assert time.monotonic() - cancelled < LOOK_EVERY + SIGTERM_SLACK < ORPHAN_TIMEOUT
+        assert time.monotonic() - cancelled < NOTICE + SIGTERM_SLACK < ORPHAN_TIMEOUT
+    finally:
+        _kill(process)
 
 
-def test_cancelling_a_flow_run_whose_process_is_gone_ends_its_jobs(
+def test_cancelling_a_flow_run_ends_its_jobs_through_the_lease(
     gke: str, cluster: KubeCluster, gcs: GcsTestBucket
 ):
-    first, flow_run_id = _started_training(_gcs_checkpoints(gcs), cluster=gke, **OPTIONS)
-    _kill(first)
-    assert cluster.jobs()
+    process, flow_run_id = _started_training(_gcs_checkpoints(gcs), cluster=gke, **OPTIONS)
+    try:
+        assert cluster.jobs()
 
-    cancelled = _cancel(flow_run_id)
-    wait_until(lambda: not cluster.jobs(), 120, "the Job to be deleted")
+        cancelled = _cancel(flow_run_id)
+        wait_until(lambda: not cluster.jobs(), 120, "the Job to be deleted")
 
-    assert time.monotonic() - cancelled < LOOK_EVERY + SIGTERM_SLACK + TTL < ORPHAN_TIMEOUT
+        assert time.monotonic() - cancelled < NOTICE + SIGTERM_SLACK + TTL < ORPHAN_TIMEOUT
+    finally:
+        _kill(process)

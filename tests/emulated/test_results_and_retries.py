@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prefect import flow, get_client, task
@@ -329,3 +330,109 @@ def test_credentials_block_without_credentials_outside_emulator_mode_fails_befor
     with pytest.raises(ConfigurationError, match="GOOGLE_APPLICATION_CREDENTIALS"):
         _submit_one(KineticTaskRunner(cluster=cluster))
     assert launched_manifests == []
+
+
+class _WritesMarkerWhenUnpickled:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (Path(self.marker).write_text, ("unpickled",))
+
+
+def _replace_result(metadata: Any, marker: Path) -> None:
+    """Rewrite the result record in its storage: the same record, its value a booby trap."""
+    from prefect.results import ResultRecord, resolve_result_storage
+
+    results: Any = resolve_result_storage(metadata.storage_block_id, _sync=True)  # type: ignore[call-arg]
+    stored = ResultRecord.deserialize(results.read_path(metadata.storage_key, _sync=True))
+    stored.result = _WritesMarkerWhenUnpickled(str(marker))
+    results.write_path(metadata.storage_key, stored.serialize(), _sync=True)
+
+
+def _results_runner(backend: str, request: pytest.FixtureRequest, workdir: Path) -> tuple:
+    """A runner whose `cube` results go to saved result storage, and its jobs store."""
+    from kinetic_prefect.common.storage import open_store
+
+    if backend == "local":
+        name = f"results-{os.urandom(4).hex()}"
+        LocalFileSystem(basepath=str(workdir / "results")).save(name)
+        task = cube.with_options(result_storage=LocalFileSystem.load(name), persist_result=True)
+        return KineticTaskRunner(), task, open_store(str(workdir / ".kinetic"))
+    gcs = request.getfixturevalue("gcs")
+    runner = KineticTaskRunner(cluster=request.getfixturevalue("gke"), allow_loopback_api=True)
+    return runner, cube, open_store(gcs.uri)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["local", "gke"])
+def test_a_result_record_replaced_after_the_pod_wrote_it_is_refused_naming_it_never_unpickled(
+    backend: str, request: pytest.FixtureRequest, workdir: Path
+):
+    from kinetic_prefect.backends.base import PodExit
+    from kinetic_prefect.common.records import FINAL_STATE_JSON, FinalRecord
+    from kinetic_prefect.errors import TamperedResultError
+    from kinetic_prefect.runner import record_key
+    from kinetic_prefect.runner.attempt_end import read_attempt_end
+
+    runner, task, store = _results_runner(backend, request, workdir)
+
+    @flow(task_runner=runner)
+    def one_cube() -> tuple[str, object, object]:
+        future = task.submit(2)
+        future.wait()
+        data = future.state.data  # the verified record (its metadata, were it not read)
+        return future.job_id, future.task_run_id, getattr(data, "metadata", data)
+
+    job_id, task_run_id, metadata = one_cube()
+    with get_client(sync_client=True) as client:
+        flow_run_id = client.read_task_run(task_run_id).flow_run_id  # type: ignore[arg-type]
+    key = record_key.flow_run_key(record_key.master_key(), str(flow_run_id))
+
+    def attempt_end() -> object:
+        return read_attempt_end(store, job_id, PodExit(job_id, exit_code=0), key).state
+
+    assert attempt_end().result() == 8  # type: ignore[attr-defined]
+    record = FinalRecord.from_json(store.get_bytes(f"kinetic/{job_id}/{FINAL_STATE_JSON}"))
+    assert record.result_storage_key == metadata.storage_key  # type: ignore[attr-defined]
+
+    marker = workdir / "unpickled"
+    _replace_result(metadata, marker)
+
+    refused = attempt_end()
+
+    assert refused.is_failed()  # type: ignore[attr-defined]
+    error = refused.result(raise_on_failure=False)  # type: ignore[attr-defined]
+    assert isinstance(error, TamperedResultError)
+    assert record.result_storage_key in str(error)
+    assert str(task_run_id) in str(error)
+    assert "was changed after pod" in str(error)
+    assert not marker.exists()
+
+
+@pytest.mark.slow
+def test_a_cached_result_record_replaced_in_the_bucket_is_refused_naming_it_never_unpickled(
+    gke: str, workdir: Path
+):
+    from kinetic_prefect.errors import TamperedResultError
+
+    base = int.from_bytes(os.urandom(4), "big")
+
+    @flow(task_runner=KineticTaskRunner(cluster=gke, allow_loopback_api=True))
+    def square() -> tuple[str, object, object]:
+        future = cached_square.submit(base)
+        future.wait()
+        state = future.state
+        return state.type.value, state.result(raise_on_failure=False), state.data
+
+    first_type, first_value, first_record = square()
+    marker = workdir / "unpickled"
+    _replace_result(first_record.metadata, marker)  # type: ignore[attr-defined]
+
+    second_type, error, _ = square()
+
+    assert (first_type, first_value) == ("COMPLETED", base * base)
+    assert second_type == "FAILED"
+    assert isinstance(error, TamperedResultError)
+    assert first_record.metadata.storage_key in str(error)  # type: ignore[attr-defined]
+    assert not marker.exists()

@@ -1,0 +1,69 @@
+"""Prefect result records as bytes: read once, digested, and only then deserialised.
+
+A pod's engine persists a task's result as a Prefect result record (JSON
+metadata with the serialised value) in the task's result storage. The pod signs
+the sha256 of those bytes in its final-state record; the orchestrator reads the
+same bytes, checks the digest, and deserialises exactly those bytes, instead of
+letting Prefect read (and unpickle) whatever the storage holds at that moment.
+
+Prefect offers no public call that deserialises a record from given bytes or
+reads a block's bytes without going through its result store, so this module
+uses `ResultRecord.deserialize` and the storage blocks' `read_path(..., _sync=True)`
+dispatch. tests/emulated/test_results_and_retries.py's
+`test_a_result_record_replaced_after_the_pod_wrote_it_is_refused_naming_it_never_unpickled`
+reads a real pod's result through both first, and fails if either changes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class StoredRecord:
+    """A result record's bytes as its result storage holds them, and where they are."""
+
+    location: str
+    data: bytes
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.data).hexdigest()
+
+
+def result_reference(state: Any) -> Any:
+    """The metadata the state's result is referred to by (to be read from storage), or None."""
+    from prefect.results import ResultRecordMetadata
+
+    return state.data if isinstance(state.data, ResultRecordMetadata) else None
+
+
+def _location(storage: Any, key: str) -> str:
+    bucket = getattr(storage, "bucket", None)
+    if isinstance(bucket, str):
+        folder = str(getattr(storage, "bucket_folder", "") or "").strip("/")
+        return f"gs://{bucket}/{folder + '/' if folder else ''}{key}"
+    basepath = getattr(storage, "basepath", None)
+    if isinstance(basepath, str) and basepath:
+        return f"{basepath.rstrip('/')}/{key}"
+    return f"{key} (result storage block {getattr(storage, '_block_document_name', '?')})"
+
+
+def read_stored(metadata: Any) -> StoredRecord:
+    """The bytes of the result record `metadata` refers to, read once from its result storage."""
+    from prefect.results import resolve_result_storage
+
+    storage: Any = resolve_result_storage(metadata.storage_block_id, _sync=True)  # type: ignore[call-arg]
+    key = str(metadata.storage_key)
+    return StoredRecord(_location(storage, key), storage.read_path(key, _sync=True))
+
+
+def load_record(data: bytes, metadata: Any) -> Any:
+    """The result record in `data` (this unpickles the value: check `data` first)."""
+    from prefect.results import ResultRecord
+
+    record: Any = ResultRecord.deserialize(data, backup_serializer=metadata.serializer)
+    record.mark_persisted()
+    return record

@@ -1,0 +1,187 @@
+"""The pod's watchdog trusts only leases signed with its flow run's key, and asks Prefect nothing.
+
+Each test runs the watchdog in its own process, as a pod does (`start_watchdog()`),
+with its lease at a named pipe: every look the watchdog takes at its lease is a
+read the test answers (each from a pipe of its own), so the test decides what
+each look sees and counts the looks, without timing anything.
+"""
+
+from __future__ import annotations
+
+import errno
+import http.server
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kinetic_prefect.common.env import (
+    FLOW_RUN_ID_ENV,
+    LEASE_SINCE_ENV,
+    LEASE_URI_ENV,
+    ORPHAN_TIMEOUT_ENV,
+    SIGNING_KEY_ENV,
+    TERMINATION_GRACE_ENV,
+)
+from kinetic_prefect.common.lease import LeaseRecord
+from tests.support.waiting import wait_until
+
+KEY = "the-flow-runs-key"
+FLOW_RUN_ID = "0b1c7a52-51a4-4b35-9bd1-1d1e5f7e0e11"
+WATCHDOG = (
+    "import threading\n"
+    "from kinetic_prefect.pod.watchdog import start_watchdog\n"
+    "start_watchdog()\n"
+    "threading.Event().wait()\n"
+)
+
+
+@dataclass
+class Pod:
+    process: subprocess.Popen[bytes]
+    lease: Path
+    looks: int = 0
+
+    def answer(self, record: LeaseRecord) -> bool:
+        """Hand `record` to the watchdog's next look at its lease; False if the pod ended first."""
+
+        def next_look() -> int | str | None:
+            if self.process.poll() is not None:
+                return "ended"
+            try:
+                return os.open(self.lease, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:  # nobody reading yet
+                    return None
+                raise
+
+        opened = wait_until(next_look, 60, "the watchdog's next look at its lease")
+        if opened == "ended":
+            return False
+        assert isinstance(opened, int)
+        # A fresh pipe in the lease's place: the next look cannot join this one's read.
+        fresh = self.lease.with_suffix(".next")
+        os.mkfifo(fresh)
+        fresh.replace(self.lease)
+        with os.fdopen(opened, "wb") as pipe:
+            pipe.write(record.to_json())
+        self.looks += 1
+        return True
+
+    def ended_because(self) -> str:
+        self.process.wait(timeout=60)
+        assert self.process.stderr is not None
+        return self.process.stderr.read().decode()
+
+
+@contextmanager
+def watchdog_pod(tmp_path: Path, timeout: float, **env: str) -> Iterator[Pod]:
+    lease = tmp_path / f"lease-{os.urandom(4).hex()}.json"
+    os.mkfifo(lease)
+    process = subprocess.Popen(
+        [sys.executable, "-c", WATCHDOG],
+        env={
+            **os.environ,
+            LEASE_URI_ENV: str(lease),
+            LEASE_SINCE_ENV: repr(time.time()),
+            ORPHAN_TIMEOUT_ENV: str(timeout),
+            SIGNING_KEY_ENV: KEY,
+            FLOW_RUN_ID_ENV: FLOW_RUN_ID,
+            TERMINATION_GRACE_ENV: "5",
+            **env,
+        },
+        stderr=subprocess.PIPE,
+    )
+    try:
+        yield Pod(process, lease)
+    finally:
+        process.kill()
+        process.wait()
+
+
+def lease(key: str = KEY, ending: str | None = None, age: float = 0.0) -> LeaseRecord:
+    record = LeaseRecord(FLOW_RUN_ID, time.time() - age, 1, "runner", ending)
+    record.sign(key)
+    return record
+
+
+def test_a_forged_fresh_lease_does_not_keep_an_orphaned_pod_alive(tmp_path: Path):
+    with watchdog_pod(tmp_path, timeout=2) as pod:
+        while pod.answer(lease(key="not-the-flow-runs-key")):
+            assert pod.looks < 100, "the pod outlived its orphan timeout on forged leases"
+
+        reason = pod.ended_because()
+
+    assert "nobody owns this pod" in reason
+    assert "unverified lease(s) ignored" in reason
+    assert pod.looks >= 4  # it looked every timeout/4 s and found no renewal it could trust
+
+
+def test_a_forged_ending_lease_does_not_end_a_live_pod_and_a_signed_one_does(tmp_path: Path):
+    with watchdog_pod(tmp_path, timeout=6) as pod:
+        for _ in range(4):
+            assert pod.answer(lease(key="not-the-flow-runs-key", ending="cancelled"))
+            assert pod.answer(lease())
+        # The runner's own ending lease from before the pod was launched: an old one, replayed.
+        assert pod.answer(lease(ending="cancelled", age=30))
+        assert pod.answer(lease())
+        assert pod.process.poll() is None
+
+        assert pod.answer(lease(ending="cancelled"))
+        reason = pod.ended_because()
+
+    assert "the runner marked its lease: the flow run is cancelled" in reason
+
+
+class _CountingApi(http.server.BaseHTTPRequestHandler):
+    requests: list[str] = []
+
+    def do_GET(self) -> None:  # noqa: N802 (the handler's protocol)
+        type(self).requests.append(self.path)
+        self.send_error(503)
+
+    do_POST = do_PATCH = do_GET  # noqa: N815
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def counting_api() -> Iterator[tuple[str, list[str]]]:
+    """A stand-in Prefect API that answers nothing and counts every request it gets."""
+    requests: list[str] = []
+    handler = type("Handler", (_CountingApi,), {"requests": requests})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}/api", requests
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.parametrize("pods", [1, 4])
+def test_watchdogs_send_no_prefect_api_request_however_many_pods(
+    tmp_path: Path, counting_api: tuple[str, list[str]], pods: int
+):
+    api_url, requests = counting_api
+    with ExitStack() as stack:
+        running = [
+            stack.enter_context(watchdog_pod(tmp_path, 2, PREFECT_API_URL=api_url))
+            for _ in range(pods)
+        ]
+        for _ in range(4):
+            for pod in running:
+                assert pod.answer(lease())
+        for pod in running:
+            assert pod.answer(lease(ending="cancelled"))
+        reasons = [pod.ended_because() for pod in running]
+
+    assert all("the flow run is cancelled" in reason for reason in reasons)
+    assert requests == []
