@@ -51,6 +51,9 @@ def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[KubeClu
         # `jobs logs` and `jobs attach` follow the configured backend (default local).
         monkeypatch.setenv("KINETIC_BACKEND", "gke")
         yield emulated
+        refusals = emulated.refusals()
+    # What the CLI does needs only what rbac.yaml and the user binding grant.
+    assert refusals == []
 
 
 def _launch(cluster: KubeCluster, job_id: str, namespace: str = "default", fault: str = "") -> None:
