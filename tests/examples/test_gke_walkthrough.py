@@ -33,7 +33,7 @@ from kinetic_prefect.launch.manifest import LABEL_TASK_RUN_ID
 from tests.support.gcs_iam import USER_MEMBER, WORKLOAD_IDENTITY_USER, Grant, IamProxy
 from tests.support.kube import ADMIN_TOKEN, running_cluster
 from tests.support.kube_auth import User
-from tests.support.standins import install_gcloud, install_kubectl
+from tests.support.standins import install_gcloud, install_kubectl, kubeconfig
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -91,18 +91,7 @@ class Terminal:
         self.applied = 0
         self.env = env
         self.admin_kubeconfig = tmp / "admin-kubeconfig.json"
-        self.admin_kubeconfig.write_text(
-            json.dumps(
-                {
-                    "apiVersion": "v1",
-                    "kind": "Config",
-                    "clusters": [{"name": "gke", "cluster": {"server": cluster.url}}],
-                    "users": [{"name": "admin", "user": {"token": ADMIN_TOKEN}}],
-                    "contexts": [{"name": "gke", "context": {"cluster": "gke", "user": "admin"}}],
-                    "current-context": "gke",
-                }
-            )
-        )
+        self.admin_kubeconfig.write_text(json.dumps(kubeconfig(cluster.url, "admin", ADMIN_TOKEN)))
         self.transcript: list[tuple[str, subprocess.CompletedProcess[str]]] = []
 
     def run(self, line: str, as_admin: bool = False, timeout: float = 120) -> str:

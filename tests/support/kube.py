@@ -33,7 +33,7 @@ from tests.support.gcs_iam import documented_kubectl_commands
 from tests.support.kube_auth import AUTHENTICATED, MASTERS, User
 from tests.support.kube_emulator import JOBS, PODS, ClusterEmulator
 from tests.support.kubelet import KUBELET_AGENT, Kubelet
-from tests.support.standins import Target, apply, kubectl, manifests
+from tests.support.standins import Target, apply, kubeconfig, kubectl, manifests
 
 # The cluster's own controllers: their requests are not a client's.
 _CONTROLLER_AGENTS = {KUBELET_AGENT, GARBAGE_COLLECTOR_AGENT}
@@ -114,14 +114,7 @@ class KubeCluster:
         await self.emulator.__aexit__(None, None, None)
 
     def kubeconfig_dict(self) -> dict[str, Any]:
-        return {
-            "apiVersion": "v1",
-            "kind": "Config",
-            "clusters": [{"name": "kmock", "cluster": {"server": self.url}}],
-            "users": [{"name": TESTER, "user": {"token": TESTER_TOKEN}}],
-            "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": TESTER}}],
-            "current-context": "kmock",
-        }
+        return kubeconfig(self.url, TESTER, TESTER_TOKEN)
 
     # -- requests as someone ------------------------------------------------------------
 

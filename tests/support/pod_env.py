@@ -63,14 +63,9 @@ def pod_kubeconfig(workspace: Path, api_url: str, namespace: str, pod_spec: dict
     account = pod_spec.get("serviceAccountName") or "default"
     path = workspace / "serviceaccounts" / f"{namespace}.{account}.json"
     token = service_account_token(namespace, account)
-    config = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [{"name": "kmock", "cluster": {"server": api_url}}],
-        "users": [{"name": account, "user": {"token": token}}],
-        "contexts": [{"name": "pod", "context": {"cluster": "kmock", "user": account}}],
-        "current-context": "pod",
-    }
+    from tests.support.standins import kubeconfig
+
+    config = kubeconfig(api_url, account, token)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(config))
     return str(path)

@@ -51,6 +51,18 @@ class KubectlError(Exception):
     pass
 
 
+def kubeconfig(server: str, user: str, token: str, context: str = "kmock") -> dict[str, Any]:
+    """A kubeconfig with one cluster, user and context: `user` reaches `server` with `token`."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": context, "cluster": {"server": server}}],
+        "users": [{"name": user, "user": {"token": token}}],
+        "contexts": [{"name": context, "context": {"cluster": context, "user": user}}],
+        "current-context": context,
+    }
+
+
 @dataclass(frozen=True)
 class Target:
     """An API server and the bearer token to reach it with."""
@@ -238,14 +250,9 @@ def gcloud(argv: list[str]) -> int:
     args = _gcloud_parser().parse_args(argv)
     if args.group == "container":
         name = f"gke_{args.project}_{args.zone or args.region}_{args.cluster}"
-        config = {
-            "apiVersion": "v1",
-            "kind": "Config",
-            "clusters": [{"name": name, "cluster": {"server": os.environ["KP_CLUSTER_SERVER"]}}],
-            "users": [{"name": name, "user": {"token": os.environ["KP_USER_TOKEN"]}}],
-            "contexts": [{"name": name, "context": {"cluster": name, "user": name}}],
-            "current-context": name,
-        }
+        config = kubeconfig(
+            os.environ["KP_CLUSTER_SERVER"], name, os.environ["KP_USER_TOKEN"], context=name
+        )
         Path(os.environ["KUBECONFIG"]).write_text(json.dumps(config))
         print(f"kubeconfig entry generated for {args.cluster}.")
         return 0
