@@ -1,12 +1,17 @@
-"""README's "Running on GKE", run as written on a new strict emulated cluster.
+"""README's "Running on GKE" and docs/worker.md's "On GKE", run as written on a new strict cluster.
 
 The cluster starts as a new one does (Kubernetes' bootstrap policy, nothing of
 ours) and GCS with no grants at all. Then every command line of the section runs
 in order, through bash: the cluster admin's block, the grants of
-docs/kubernetes.md "Permissions" it points at, and yours. `kubectl` and `gcloud`
-are stand-ins (tests/support/standins.py) that make the requests the real ones
-make, against the emulated cluster and the GCS IAM proxy; `python` and
-`kinetic-prefect` are the real commands. Placeholders take this test's values.
+docs/kubernetes.md "Permissions" it points at, yours, then the worker guide's
+(a deployed flow through a `kinetic` work pool's worker, left running in the
+background as the guide says). `kubectl` and `gcloud` are stand-ins
+(tests/support/standins.py) that make the requests the real ones make, against
+the emulated cluster and the GCS IAM proxy; `python`, `kinetic-prefect` and
+`prefect` are the real commands. Placeholders take this test's values. Pods,
+and you, get Application Default Credentials from a metadata server stand-in
+(tests/support/metadata_server.py), as Workload Identity and `gcloud auth
+application-default login` give them.
 
 What is this machine's and not a step: the pods reach the test's Prefect server
 on a loopback address (KINETIC_ALLOW_LOOPBACK_API), your GCS credentials are the
@@ -28,16 +33,20 @@ from typing import Any
 
 import pytest
 
+from kinetic_prefect.backends.gke.permissions import RUNNER_SERVICE_ACCOUNT
 from kinetic_prefect.common.gcs import EMULATOR_PROJECT
 from kinetic_prefect.launch.manifest import LABEL_TASK_RUN_ID
 from tests.support.gcs_iam import USER_MEMBER, WORKLOAD_IDENTITY_USER, Grant, IamProxy
 from tests.support.kube import ADMIN_TOKEN, running_cluster
 from tests.support.kube_auth import User
+from tests.support.metadata_server import MetadataServer
+from tests.support.pod_env import service_account_token
 from tests.support.standins import install_gcloud, install_kubectl, kubeconfig
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 PERMISSIONS = ROOT / "docs" / "kubernetes.md"
+WORKER_GUIDE = ROOT / "docs" / "worker.md"
 USER = "YOU@EXAMPLE.COM"
 USER_TOKEN = "you-token"
 FLOW_SECONDS = 600
@@ -93,6 +102,8 @@ class Terminal:
         self.admin_kubeconfig = tmp / "admin-kubeconfig.json"
         self.admin_kubeconfig.write_text(json.dumps(kubeconfig(cluster.url, "admin", ADMIN_TOKEN)))
         self.transcript: list[tuple[str, subprocess.CompletedProcess[str]]] = []
+        self.background: list[subprocess.Popen[str]] = []
+        self.tmp = tmp
 
     def run(self, line: str, as_admin: bool = False, timeout: float = 120) -> str:
         """`line`, its placeholders filled, run by bash from the repository's root."""
@@ -112,6 +123,31 @@ class Terminal:
         assert result.returncode == 0, f"{line}\n{result.stdout}\n{result.stderr}"
         self._apply_iam()
         return result.stdout + result.stderr
+
+    def start(self, line: str) -> Path:
+        """`line` left running, as in a terminal of its own; returns its output's file."""
+        output = self.tmp / f"background-{len(self.background)}.log"
+        self.background.append(
+            subprocess.Popen(
+                ["bash", "-c", f"exec {_filled(line, self.values)}"],
+                cwd=ROOT,
+                env={**self.env, "KP_GCLOUD_LOG": str(self.gcloud_log)},
+                stdout=output.open("w"),
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+        return output
+
+    def stop(self) -> None:
+        for process in self.background:
+            process.terminate()
+        for process in self.background:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
 
     def _apply_iam(self) -> None:
         """What gcloud's IAM commands changed, made true in the IAM proxy."""
@@ -152,8 +188,10 @@ def terminal(
     with (
         running_cluster(tmp_path / "cluster", set_up=False) as cluster,
         IamProxy(gcs_server, project=EMULATOR_PROJECT) as proxy,
+        MetadataServer(EMULATOR_PROJECT) as metadata,
     ):
         cluster.kubelet.gcs = proxy
+        cluster.kubelet.metadata = metadata
         cluster.call(lambda: cluster.emulator.tokens.update({USER_TOKEN: User(USER)}))
         you = proxy.endpoint(USER_MEMBER)
         env = {
@@ -170,6 +208,7 @@ def terminal(
             "KINETIC_REQUIREMENTS": str(shipped_requirements),
             "KINETIC_ENVIRONMENT_BUILDER": "local",
             "KINETIC_ENVIRONMENT_STORE": suite_environment,
+            **metadata.env(),
         }
         for name in ("SSL_CERT_FILE", "UV_CACHE_DIR", "XDG_CACHE_HOME", "KINETIC_CACHE_DIR"):
             if name in os.environ:
@@ -185,11 +224,14 @@ def terminal(
             "ENVIRONMENT_STORE": suite_environment.removeprefix("gs://"),
         }
         terminal = Terminal(tmp_path, cluster, proxy, env, values)
-        yield terminal
+        try:
+            yield terminal
+        finally:
+            terminal.stop()
     kgcs._clients.clear()
 
 
-def test_readmes_gke_section_runs_as_written_on_a_new_strict_cluster(terminal: Terminal) -> None:
+def test_the_gke_guides_run_as_written_on_a_new_strict_cluster(terminal: Terminal) -> None:
     admin_block, your_block = _sh_blocks(_section(README, "## Running on GKE"))
     (grants,) = _sh_blocks(_section(PERMISSIONS, "## Permissions"))
 
@@ -216,4 +258,24 @@ def test_readmes_gke_section_runs_as_written_on_a_new_strict_cluster(terminal: T
         requests = pod["containers"][0]["resources"]["requests"]
         assert {"cpu", "memory"} <= set(requests)
     assert f"kinetic-pods@{EMULATOR_PROJECT}.iam.gserviceaccount.com" in proxy.callers
+    assert [d for d in proxy.denials if d[1] != "storage.buckets.get"] == []
+
+    # Then a deployed flow through the worker (docs/worker.md).
+    (worker_guide,) = _sh_blocks(_section(WORKER_GUIDE, "## On GKE"))
+    before = len(cluster.job_creations())
+    for line in worker_guide:
+        if "worker start" in line:
+            worker_log = terminal.start(line)
+        else:
+            terminal.run(line, timeout=FLOW_SECONDS if "--watch" in line else 120)
+
+    created = cluster.job_creations()[before:]
+    flow_pods = [body for _, body in created if LABEL_TASK_RUN_ID not in body["metadata"]["labels"]]
+    trials = [(t, body) for t, body in created if LABEL_TASK_RUN_ID in body["metadata"]["labels"]]
+    assert len(flow_pods) == 1, worker_log.read_text()
+    flow_pod = flow_pods[0]["spec"]["template"]["spec"]
+    assert flow_pod["serviceAccountName"] == RUNNER_SERVICE_ACCOUNT
+    assert len(trials) == 4
+    assert {t for t, _ in trials} == {service_account_token("default", RUNNER_SERVICE_ACCOUNT)}
+    assert f"kinetic-runner@{EMULATOR_PROJECT}.iam.gserviceaccount.com" in proxy.callers
     assert [d for d in proxy.denials if d[1] != "storage.buckets.get"] == []

@@ -128,8 +128,10 @@ class Kubelet:
         self.nodes = [Node()]
         self.missing_images: set[str] = set()
         self.quota_exceeded = False
-        # The IAM proxy that stands for GCS on this cluster's network (tests/support/pod_env.py).
+        # The IAM proxy that stands for GCS on this cluster's network (tests/support/pod_env.py),
+        # and the metadata server every pod reaches (tests/support/metadata_server.py).
         self.gcs: Any = None
+        self.metadata: Any = None
         # The Job controller's backoff between attempts to create a refused pod (its
         # DefaultJobApiBackOff and MaxJobApiBackOff).
         self.create_backoff_seconds = 1.0
@@ -357,6 +359,8 @@ class Kubelet:
                 {"name": "HOME", "value": str(home)},
             ]
         )
+        if self.metadata is not None:  # Workload Identity's ADC (tests/support/metadata_server.py)
+            container["env"].extend({"name": k, "value": v} for k, v in self.metadata.env().items())
         self.local.launch(
             manifest, on_exit=lambda outcome: self._exited(pod, outcome), secrets=values
         )

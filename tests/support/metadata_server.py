@@ -1,0 +1,89 @@
+"""The GKE metadata server, as Workload Identity gives it to a pod (and gcloud ADC to you).
+
+On GKE a pod's Application Default Credentials come from the metadata server at
+169.254.169.254: `google.auth.default()` pings it, reads the service account's
+email and project, and fetches access tokens from it. Code that asks for ADC
+itself (prefect-gcp's `pull_from_gcs` and `push_to_gcs` deployment steps) needs
+it. `MetadataServer` answers those requests on a local port, for the identity it
+was started for; `env()` is the `GCE_METADATA_HOST` / `GCE_METADATA_IP` pair that
+points google-auth at it. The tokens it issues are opaque: which identity a GCS
+request acts as is decided by the IAM proxy's port (tests/support/gcs_iam.py),
+so these only let ADC-using code start.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+from typing import Any
+
+_FLAVOR = "Metadata-Flavor"
+_ROOT = "/computeMetadata/v1"
+
+
+class MetadataServer:
+    def __init__(self, project: str, email: str = "default") -> None:
+        self.project = project
+        self.email = email
+        self._server: http.server.ThreadingHTTPServer | None = None
+
+    def answer(self, path: str) -> tuple[int, str, str] | None:
+        """(status, content type, body) for a metadata path, None when unknown."""
+        path = path.split("?", 1)[0].rstrip("/")
+        if path in ("", _ROOT):
+            return 200, "text/plain", "computeMetadata/\n"
+        if path == f"{_ROOT}/project/project-id":
+            return 200, "text/plain", self.project
+        account = f"{_ROOT}/instance/service-accounts/default"
+        if path == account:
+            info = {
+                "email": self.email,
+                "aliases": ["default"],
+                "scopes": ["https://www.googleapis.com/auth/cloud-platform"],
+            }
+            return 200, "application/json", json.dumps(info)
+        if path == f"{account}/email":
+            return 200, "text/plain", self.email
+        if path == f"{account}/token":
+            token = {"access_token": "metadata-token", "expires_in": 3599, "token_type": "Bearer"}
+            return 200, "application/json", json.dumps(token)
+        return None
+
+    def __enter__(self) -> MetadataServer:
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                found = outer.answer(self.path)
+                if self.headers.get(_FLAVOR) != "Google" or found is None:
+                    self.send_response(403 if found else 404)
+                    self.end_headers()
+                    return
+                status, content_type, body = found
+                data = body.encode()
+                self.send_response(status)
+                self.send_header(_FLAVOR, "Google")
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+
+    def env(self) -> dict[str, str]:
+        """What points google-auth's ADC at this server."""
+        assert self._server is not None
+        address = f"127.0.0.1:{self._server.server_address[1]}"
+        return {"GCE_METADATA_HOST": address, "GCE_METADATA_IP": address}
