@@ -9,9 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kinetic_prefect.common.gcs import RESULTS_BUCKET_READ_PERMISSIONS
 from kinetic_prefect.errors import ConfigurationError
 from kinetic_prefect.launch.preflight import (
     check_api_reachable_by_pods,
+    check_bucket_permissions,
     check_jobs_root,
     check_result_storage,
 )
@@ -63,11 +65,23 @@ def _bucket_checks(cluster: Any, settings: Any) -> list[Check]:
     except ConfigurationError as exc:
         checks.append(Check("Jobs bucket", "fail", str(exc)))
     if settings.backend == "gke":
-        storage = getattr(cluster, "result_storage", None) if cluster is not None else None
+        storage: Any = getattr(cluster, "result_storage", None) if cluster is not None else None
         try:
-            check_result_storage(storage)
+            check_result_storage(storage)  # a saved GcsBucket, or ConfigurationError
+            check_bucket_permissions(
+                storage.bucket,
+                RESULTS_BUCKET_READ_PERMISSIONS,
+                "results bucket",
+                "set bucket on the result storage's GcsBucket block",
+                cluster,
+            )
             checks.append(
-                Check("Result storage", "ok", f"GcsBucket {getattr(storage, 'bucket', '')}")
+                Check(
+                    "Result storage",
+                    "ok",
+                    f"GcsBucket {storage.bucket}: you may read results "
+                    f"({', '.join(RESULTS_BUCKET_READ_PERMISSIONS)})",
+                )
             )
         except ConfigurationError as exc:
             checks.append(Check("Result storage", "fail", str(exc)))

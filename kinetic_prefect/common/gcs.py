@@ -32,6 +32,9 @@ JOBS_BUCKET_PERMISSIONS = (
     "storage.objects.get",
     "storage.objects.list",
 )
+# What reading a task's result through Prefect's GcsBucket needs (it reads the bucket's
+# metadata before every read).
+RESULTS_BUCKET_READ_PERMISSIONS = ("storage.buckets.get", "storage.objects.get")
 PERMISSIONS_DOC = (
     'docs/kubernetes.md "Permissions" (roles: '
     "https://cloud.google.com/iam/docs/roles-permissions/storage)"

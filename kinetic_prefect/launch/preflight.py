@@ -52,7 +52,21 @@ def check_credentials(cluster: Any) -> Any:
 
 
 def check_jobs_root(jobs_root: str, cluster: Any) -> None:
-    """The jobs bucket exists and the configured credentials may use its objects.
+    """The jobs bucket exists and the configured credentials may use its objects."""
+    bucket, _ = gcs.split_gs_uri(jobs_root)
+    check_bucket_permissions(
+        bucket,
+        gcs.JOBS_BUCKET_PERMISSIONS,
+        "jobs bucket",
+        "set jobs_bucket on the KineticCluster / KINETIC_JOBS_BUCKET",
+        cluster,
+    )
+
+
+def check_bucket_permissions(
+    bucket: str, wanted: tuple[str, ...], what: str, instead: str, cluster: Any = None
+) -> None:
+    """The bucket exists and the configured credentials hold `wanted` on it.
 
     Asked with `testIamPermissions`, which needs no permission itself, so a
     missing grant is named rather than seen as an unreachable bucket.
@@ -60,26 +74,24 @@ def check_jobs_root(jobs_root: str, cluster: Any) -> None:
     from google.api_core.exceptions import NotFound
 
     credentials = check_credentials(cluster)
-    bucket, _ = gcs.split_gs_uri(jobs_root)
     client = gcs.storage_client(
         project=getattr(cluster, "project", None) if cluster else None, credentials=credentials
     )
-    wanted = list(gcs.JOBS_BUCKET_PERMISSIONS)
     try:
-        granted = set(client.bucket(bucket).test_iam_permissions(wanted))
+        granted = set(client.bucket(bucket).test_iam_permissions(list(wanted)))
     except NotFound as exc:
         raise ConfigurationError(
-            f"The jobs bucket gs://{bucket} does not exist. Create it (gcloud storage buckets "
-            f"create gs://{bucket}) or set jobs_bucket on the KineticCluster / KINETIC_JOBS_BUCKET."
+            f"The {what} gs://{bucket} does not exist. Create it (gcloud storage buckets "
+            f"create gs://{bucket}) or {instead}."
         ) from exc
     except Exception as exc:
         raise ConfigurationError(
-            f"Cannot reach the jobs bucket gs://{bucket}: {exc}. Check the credentials' access."
+            f"Cannot reach the {what} gs://{bucket}: {exc}. Check the credentials' access."
         ) from exc
     missing = [p for p in wanted if p not in granted]
     if missing:
         raise ConfigurationError(
-            f"The credentials lack {', '.join(missing)} on the jobs bucket gs://{bucket}. "
+            f"The credentials lack {', '.join(missing)} on the {what} gs://{bucket}. "
             + gcs.grant_hint(bucket, missing)
         )
 

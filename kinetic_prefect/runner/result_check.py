@@ -119,8 +119,8 @@ def cached_state(
     record = prefect_results.load_record(stored.data, reference)
     expiration = record.metadata.expiration
     if expiration is not None:
-        from prefect.types._datetime import now
+        import datetime
 
-        if expiration < now("UTC"):
+        if expiration < datetime.datetime.now(datetime.UTC):
             return None
     return prefect_bridge.cached(record)

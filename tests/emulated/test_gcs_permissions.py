@@ -16,11 +16,10 @@ from kinetic_prefect import KineticTaskRunner
 from kinetic_prefect.common import gcs as kgcs
 from kinetic_prefect.errors import ConfigurationError
 from kinetic_prefect.launch.preflight import check_jobs_root
-from tests.support.gcs_iam import USER_MEMBER, Grant, documented_grants
+from tests.support.gcs_iam import PODS_MEMBER, USER_MEMBER, Grant, documented_grants
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
 
-PODS_MEMBER = f"serviceAccount:kinetic-pods@{kgcs.EMULATOR_PROJECT}.iam.gserviceaccount.com"
 OBJECT_ADMIN = "roles/storage.objectAdmin"
 BUCKET_READER = "roles/storage.legacyBucketReader"
 

@@ -31,7 +31,9 @@ from kinetic_prefect.errors import ConfigurationError
 from kinetic_prefect.launch.manifest import LABEL_JOB_ID
 from tests.emulated.test_results_and_retries import train_to_ten
 from tests.runner.test_task_runner import raise_in_a_pod
-from tests.support.kube import KubeCluster
+from tests.support.gcs_iam import PODS_MEMBER
+from tests.support.kube import TESTER, KubeCluster
+from tests.support.kube_auth import User
 from tests.support.kube_objects import Node
 from tests.support.waiting import wait_for_task_run_state, wait_until
 
@@ -108,7 +110,7 @@ def test_mapped_results_come_back_from_job_pods_through_gcs_result_storage(gke, 
 
 
 def test_a_pod_sees_its_manifests_env_but_not_a_variable_set_only_in_the_test_process(
-    gke, cluster, monkeypatch
+    gke, cluster, gcs, monkeypatch
 ):
     monkeypatch.setenv("KP_ONLY_IN_THE_TEST_PROCESS", "leaked")
     names = ["KP_ONLY_IN_THE_TEST_PROCESS", "KP_FROM_THE_RUNNER", "STORAGE_EMULATOR_HOST"]
@@ -122,8 +124,9 @@ def test_a_pod_sees_its_manifests_env_but_not_a_variable_set_only_in_the_test_pr
     assert seen == {
         "KP_ONLY_IN_THE_TEST_PROCESS": None,
         "KP_FROM_THE_RUNNER": "carried",
-        # From the cluster block's env, as a user's emulator settings would travel.
-        "STORAGE_EMULATOR_HOST": os.environ["STORAGE_EMULATOR_HOST"],
+        # From the cluster block's env, as a user's emulator settings would travel; the
+        # kubelet points it at the pod's own identity (tests/support/pod_env.py).
+        "STORAGE_EMULATOR_HOST": gcs.iam.endpoint(PODS_MEMBER),
     }
 
 
@@ -379,6 +382,7 @@ def _watches_reopened_with(cluster: KubeCluster, token: str) -> set[str]:
 
 def test_a_watch_answered_401_once_fails_no_task(gke, cluster, workdir):
     gate = workdir / "gate"
+    cluster.refusals_expected = True
 
     def refuse_once() -> None:
         cluster.fail_next("get", "pods", *UNAUTHORIZED, watch=True)
@@ -403,7 +407,11 @@ def test_a_rotated_token_in_the_kubeconfig_is_picked_up_when_the_old_one_is_refu
     gate = workdir / "gate"
     old_token = cluster.kubeconfig_dict()["users"][0]["user"]["token"]
 
+    cluster.refusals_expected = True
+
     def rotate() -> None:
+        # The same user, a new token (GKE's bound tokens rotate hourly).
+        cluster.call(lambda: cluster.emulator.tokens.update({"rotated-token": User(TESTER)}))
         rotated = cluster.kubeconfig_dict()
         rotated["users"][0]["user"]["token"] = "rotated-token"
         cluster.kubeconfig.write_text(json.dumps(rotated))
@@ -426,6 +434,7 @@ def test_credentials_refused_for_good_fail_the_task_after_the_bound_saying_since
     gke, cluster, workdir
 ):
     refused_at: list[float] = []
+    cluster.refusals_expected = True
 
     def refuse_for_good() -> None:
         refused_at.append(time.monotonic())

@@ -36,7 +36,14 @@ import pytest
 from kinetic_prefect.backends.gke.permissions import RUNNER_SERVICE_ACCOUNT
 from kinetic_prefect.common.gcs import EMULATOR_PROJECT
 from kinetic_prefect.launch.manifest import LABEL_TASK_RUN_ID
-from tests.support.gcs_iam import USER_MEMBER, WORKLOAD_IDENTITY_USER, Grant, IamProxy
+from tests.support.gcs_iam import (
+    PODS_MEMBER,
+    RUNNER_MEMBER,
+    USER_MEMBER,
+    WORKLOAD_IDENTITY_USER,
+    Grant,
+    IamProxy,
+)
 from tests.support.kube import ADMIN_TOKEN, running_cluster
 from tests.support.kube_auth import User
 from tests.support.metadata_server import MetadataServer
@@ -257,7 +264,7 @@ def test_the_gke_guides_run_as_written_on_a_new_strict_cluster(terminal: Termina
         assert pod["serviceAccountName"] == "kinetic-prefect-pods"
         requests = pod["containers"][0]["resources"]["requests"]
         assert {"cpu", "memory"} <= set(requests)
-    assert f"kinetic-pods@{EMULATOR_PROJECT}.iam.gserviceaccount.com" in proxy.callers
+    assert PODS_MEMBER.partition(":")[2] in proxy.callers
     assert [d for d in proxy.denials if d[1] != "storage.buckets.get"] == []
 
     # Then a deployed flow through the worker (docs/worker.md).
@@ -277,5 +284,5 @@ def test_the_gke_guides_run_as_written_on_a_new_strict_cluster(terminal: Termina
     assert flow_pod["serviceAccountName"] == RUNNER_SERVICE_ACCOUNT
     assert len(trials) == 4
     assert {t for t, _ in trials} == {service_account_token("default", RUNNER_SERVICE_ACCOUNT)}
-    assert f"kinetic-runner@{EMULATOR_PROJECT}.iam.gserviceaccount.com" in proxy.callers
+    assert RUNNER_MEMBER.partition(":")[2] in proxy.callers
     assert [d for d in proxy.denials if d[1] != "storage.buckets.get"] == []

@@ -38,12 +38,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kinetic_prefect.common.gcs import EMULATOR_PROJECT
+
 _ROOT = Path(__file__).resolve().parents[2]
 PERMISSIONS_DOC = _ROOT / "docs" / "kubernetes.md"
 WORKLOAD_IDENTITY_ANNOTATION = "iam.gke.io/gcp-service-account"
 WORKLOAD_IDENTITY_USER = "roles/iam.workloadIdentityUser"
 # Who runs the tests' flows: the docs' placeholder for "you".
 USER_MEMBER = "user:YOU@EXAMPLE.COM"
+# The Google service accounts the docs let the pods' Kubernetes accounts act as.
+PODS_MEMBER = f"serviceAccount:kinetic-pods@{EMULATOR_PROJECT}.iam.gserviceaccount.com"
+RUNNER_MEMBER = f"serviceAccount:kinetic-runner@{EMULATOR_PROJECT}.iam.gserviceaccount.com"
 
 _OBJECTS_ALL = {
     "storage.objects.create",
