@@ -22,9 +22,11 @@ gke test.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -136,8 +138,9 @@ class Terminal:
         output = self.tmp / f"background-{len(self.background)}.log"
         self.background.append(
             subprocess.Popen(
-                ["bash", "-c", f"exec {_filled(line, self.values)}"],
+                ["bash", "-c", _filled(line, self.values)],
                 cwd=ROOT,
+                start_new_session=True,
                 env={**self.env, "KP_GCLOUD_LOG": str(self.gcloud_log)},
                 stdout=output.open("w"),
                 stderr=subprocess.STDOUT,
@@ -147,13 +150,15 @@ class Terminal:
         return output
 
     def stop(self) -> None:
+        """Ctrl-C in each background terminal: the whole process group gets SIGINT."""
         for process in self.background:
-            process.terminate()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGINT)
         for process in self.background:
             try:
                 process.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                process.kill()
+                os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
 
     def _apply_iam(self) -> None:
