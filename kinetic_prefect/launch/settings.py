@@ -163,6 +163,16 @@ _ENV_PARSERS: dict[str, Any] = {
 }
 # The saved `KineticCluster` a runner without `cluster=` uses (`KINETIC_CLUSTER=gke`).
 CLUSTER_ENV = "KINETIC_CLUSTER"
+# The saved result storage (its block document id) of a runner without a cluster: a
+# `kinetic` worker hands its cluster's down to the flow pod with the cluster's settings.
+RESULT_STORAGE_ENV = "KINETIC_RESULT_STORAGE"
+
+
+def saved_block_reference(block: Any) -> str | None:
+    """The block document id of a saved block (`Block.load_from_ref` takes it), else None."""
+    document_id = getattr(block, "_block_document_id", None)
+    return str(document_id) if document_id else None
+
 
 ENV_ALIASES = {"jobs_root": ("KINETIC_JOBS_ROOT", "KINETIC_JOBS_BUCKET")}
 

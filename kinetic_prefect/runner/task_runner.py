@@ -31,6 +31,7 @@ from kinetic_prefect.launch.packaging import check_picklable
 from kinetic_prefect.launch.pod_secrets import env_value
 from kinetic_prefect.launch.settings import (
     CLUSTER_ENV,
+    RESULT_STORAGE_ENV,
     LaunchSettings,
     current_overrides,
     join_uri,
@@ -357,6 +358,12 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
         from_cluster = storage is None and cluster is not None and cluster.result_storage
         if from_cluster:
             storage = cluster.result_storage
+        elif storage is None and cluster is None and os.environ.get(RESULT_STORAGE_ENV):
+            # A flow pod's runner: its worker handed the cluster's result storage down.
+            from prefect.blocks.core import Block
+
+            storage = Block.load_from_ref(os.environ[RESULT_STORAGE_ENV])
+            from_cluster = True
         if "://" in settings.resolved_jobs_root():
             preflight.check_result_storage(storage)
         if from_cluster:

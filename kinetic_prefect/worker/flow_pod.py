@@ -33,10 +33,12 @@ from kinetic_prefect.launch.manifest import LaunchSpec, SecretRef, build_job_man
 from kinetic_prefect.launch.pod_secrets import PodSecrets, split_env
 from kinetic_prefect.launch.pod_settings import secret_setting_paths
 from kinetic_prefect.launch.settings import (
+    RESULT_STORAGE_ENV,
     LaunchSettings,
     env_variable_names,
     join_uri,
     resolve_settings,
+    saved_block_reference,
     spot_request,
 )
 from kinetic_prefect.launch.slices import refuse_for_flow_runs
@@ -208,8 +210,10 @@ def plan_flow_pod(
     refuse_for_flow_runs(accelerator)
     flow_run_id = str(flow_run.id)
     cluster_env, cluster_secrets = split_env(settings.env)
+    result_storage = saved_block_reference(getattr(cluster, "result_storage", None))
     env = {
         **inherited_settings_env(settings),
+        **({RESULT_STORAGE_ENV: result_storage} if result_storage else {}),
         SIGTERM_BEHAVIOR_ENV: SIGTERM_BEHAVIOR,
         "PYTHONUNBUFFERED": "1",
         **cluster_env,

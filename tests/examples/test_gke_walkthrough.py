@@ -58,7 +58,7 @@ PERMISSIONS = ROOT / "docs" / "kubernetes.md"
 WORKER_GUIDE = ROOT / "docs" / "worker.md"
 USER = "YOU@EXAMPLE.COM"
 USER_TOKEN = "you-token"
-FLOW_SECONDS = 600
+FLOW_SECONDS = 300
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
 
@@ -243,6 +243,8 @@ def terminal(
     kgcs._clients.clear()
 
 
+# Two flows of four pods and a worker's flow pod, start to end: longer than one case's default.
+@pytest.mark.timeout(3 * FLOW_SECONDS)
 def test_the_gke_guides_run_as_written_on_a_new_strict_cluster(terminal: Terminal) -> None:
     admin_block, your_block = _sh_blocks(_section(README, "## Running on GKE"))
     (grants,) = _sh_blocks(_section(PERMISSIONS, "## Permissions"))
