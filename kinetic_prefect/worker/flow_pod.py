@@ -93,6 +93,12 @@ INHERITED_SETTINGS = (
     "pending_timeout_seconds",
     "credentials_denied_timeout_seconds",
     "allow_loopback_api",
+    # Where the environments the flow pod's runner ships to its task pods are kept and built.
+    "environment",
+    "environment_builder",
+    "environment_store",
+    "package_index_url",
+    "accelerator_extras",
 )
 # The work pool's record key: one Secret per pool and namespace, created by the worker.
 RECORD_KEY_SECRET_PREFIX = "kinetic-record-key-"
@@ -117,7 +123,12 @@ def inherited_settings_env(settings: LaunchSettings) -> dict[str, str]:
     for name, value in values.items():
         if value is None:
             continue
-        text = ("true" if value else "false") if isinstance(value, bool) else str(value)
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, (tuple, list)):
+            text = ",".join(map(str, value))  # empty: unset, the accelerator's default
+        else:
+            text = str(value)
         env[env_variable_names(name)[0]] = text
     return env
 
