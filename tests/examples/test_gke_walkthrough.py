@@ -45,6 +45,8 @@ from tests.support.gcs_iam import (
     WORKLOAD_IDENTITY_USER,
     Grant,
     IamProxy,
+    doc_section,
+    filled,
 )
 from tests.support.kube import ADMIN_TOKEN, running_cluster
 from tests.support.kube_auth import User
@@ -63,31 +65,17 @@ FLOW_SECONDS = 300
 pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
 
 
-def _section(path: Path, heading: str) -> str:
-    text = path.read_text()
-    start = text.index(f"\n{heading}\n")
-    end = text.find("\n## ", start + 1)
-    return text[start : end if end > 0 else None]
-
-
 def _sh_blocks(section: str) -> list[list[str]]:
     """The command lines of each ```sh block, continuation lines joined, comments dropped."""
     blocks = re.findall(r"```sh\n(.*?)```", section, re.S)
     return [
         [
             line.strip()
-            for line in re.sub(r"\\\n\s*", " ", block).splitlines()
+            for line in block.splitlines()
             if line.strip() and not line.strip().startswith("#")
         ]
         for block in blocks
     ]
-
-
-def _filled(line: str, values: dict[str, str]) -> str:
-    """Placeholders replaced where they stand as words (not the CLUSTER of KINETIC_CLUSTER)."""
-    for placeholder, value in values.items():
-        line = re.sub(rf"(?<![\w-]){placeholder}(?![\w-])", value, line)
-    return line
 
 
 class Terminal:
@@ -116,7 +104,7 @@ class Terminal:
 
     def run(self, line: str, as_admin: bool = False, timeout: float = 120) -> str:
         """`line`, its placeholders filled, run by bash from the repository's root."""
-        line = _filled(line, self.values)
+        line = filled(line, self.values)
         env = {**self.env, "KP_GCLOUD_LOG": str(self.gcloud_log)}
         if as_admin:
             env["KUBECONFIG"] = str(self.admin_kubeconfig)
@@ -138,7 +126,7 @@ class Terminal:
         output = self.tmp / f"background-{len(self.background)}.log"
         self.background.append(
             subprocess.Popen(
-                ["bash", "-c", _filled(line, self.values)],
+                ["bash", "-c", filled(line, self.values)],
                 cwd=ROOT,
                 start_new_session=True,
                 env={**self.env, "KP_GCLOUD_LOG": str(self.gcloud_log)},
@@ -246,8 +234,8 @@ def terminal(
 # Two flows of four pods and a worker's flow pod, start to end: longer than one case's default.
 @pytest.mark.timeout(3 * FLOW_SECONDS)
 def test_the_gke_guides_run_as_written_on_a_new_strict_cluster(terminal: Terminal) -> None:
-    admin_block, your_block = _sh_blocks(_section(README, "## Running on GKE"))
-    (grants,) = _sh_blocks(_section(PERMISSIONS, "## Permissions"))
+    admin_block, your_block = _sh_blocks(doc_section(README, "## Running on GKE"))
+    (grants,) = _sh_blocks(doc_section(PERMISSIONS, "## Permissions"))
 
     for line in [*admin_block, *grants]:
         terminal.run(line, as_admin=True)
@@ -275,7 +263,7 @@ def test_the_gke_guides_run_as_written_on_a_new_strict_cluster(terminal: Termina
     assert [d for d in proxy.denials if d[1] != "storage.buckets.get"] == []
 
     # Then a deployed flow through the worker (docs/worker.md).
-    (worker_guide,) = _sh_blocks(_section(WORKER_GUIDE, "## On GKE"))
+    (worker_guide,) = _sh_blocks(doc_section(WORKER_GUIDE, "## On GKE"))
     before = len(cluster.job_creations())
     for line in worker_guide:
         if "worker start" in line:

@@ -133,23 +133,29 @@ _SA_BINDING = re.compile(
 )
 
 
-def _permissions_section() -> str:
-    text = PERMISSIONS_DOC.read_text()
-    start = text.index("\n## Permissions")
+def doc_section(path: Path, heading: str) -> str:
+    """The section of a Markdown file under `heading` (`## ...`), continuation lines joined."""
+    text = path.read_text()
+    start = text.index(f"\n{heading}\n")
     end = text.find("\n## ", start + 1)
     return re.sub(r"\\\n\s*", " ", text[start : end if end > 0 else None])
 
 
-def _filled(value: str, substitutions: dict[str, str]) -> str:
+def _permissions_section() -> str:
+    return doc_section(PERMISSIONS_DOC, "## Permissions")
+
+
+def filled(value: str, substitutions: dict[str, str]) -> str:
+    """Placeholders replaced where they stand as words (not the CLUSTER of KINETIC_CLUSTER)."""
     for placeholder, actual in substitutions.items():
-        value = value.replace(placeholder, actual)
+        value = re.sub(rf"(?<![\w-]){placeholder}(?![\w-])", actual, value)
     return value
 
 
 def documented_grants(substitutions: dict[str, str]) -> list[Grant]:
     """The bucket grants docs/kubernetes.md tells users to make, placeholders substituted."""
     grants = [
-        Grant(_filled(m["bucket"], substitutions), _filled(m["member"], substitutions), m["role"])
+        Grant(filled(m["bucket"], substitutions), filled(m["member"], substitutions), m["role"])
         for m in _BUCKET_BINDING.finditer(_permissions_section())
     ]
     assert grants, f"no `gcloud storage buckets add-iam-policy-binding` in {PERMISSIONS_DOC}"
@@ -159,7 +165,7 @@ def documented_grants(substitutions: dict[str, str]) -> list[Grant]:
 def documented_workload_identity_users(substitutions: dict[str, str]) -> set[tuple[str, str]]:
     """(Kubernetes account, Google service account) pairs the docs let act as each other."""
     return {
-        (m["ksa"], _filled(m["gsa"], substitutions))
+        (m["ksa"], filled(m["gsa"], substitutions))
         for m in _SA_BINDING.finditer(_permissions_section())
         if m["role"] == WORKLOAD_IDENTITY_USER
     }
@@ -169,7 +175,7 @@ def documented_kubectl_commands(substitutions: dict[str, str]) -> list[str]:
     """The `kubectl` lines of docs/kubernetes.md "Permissions" (the Workload Identity
     annotations), placeholders substituted: the test cluster's admin runs them."""
     return [
-        _filled(line.strip(), substitutions)
+        filled(line.strip(), substitutions)
         for line in _permissions_section().splitlines()
         if line.strip().startswith("kubectl ")
     ]
