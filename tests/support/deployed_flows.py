@@ -1,6 +1,6 @@
 """Flows the worker tests deploy; `prefect flow-run execute` loads them in a flow pod.
 
-`cubes_on_gke` and `gated_cube_on_gke` name their cluster: the test saves a gke
+`gated_cube_on_gke` names its cluster: the test saves a gke
 `KineticCluster` block under `GKE_CLUSTER` (and its result storage under `GKE_RESULTS`) in
 the test's server.
 """
@@ -13,20 +13,6 @@ from kinetic_prefect import KineticTaskRunner
 
 GKE_CLUSTER = "worker-gke"
 GKE_RESULTS = f"{GKE_CLUSTER}-results"
-
-
-@task
-def cube(x: int) -> int:
-    return x**3
-
-
-@flow(
-    task_runner=KineticTaskRunner(cluster=GKE_CLUSTER),
-    persist_result=True,
-    result_storage=f"gcs-bucket/{GKE_RESULTS}",
-)
-def cubes_on_gke(xs: list[int]) -> list[int]:
-    return [future.result() for future in cube.map(xs)]
 
 
 @task

@@ -46,7 +46,6 @@ from prefect.settings import (
 )
 from prefect.states import Cancelling, Scheduled
 
-from kinetic_prefect.common.gcs import EMULATOR_PROJECT
 from kinetic_prefect.common.records import FINAL_STATE_JSON, FinalRecord
 from kinetic_prefect.launch.manifest import (
     LABEL_FLOW_RUN_ID,
@@ -58,7 +57,6 @@ from kinetic_prefect.launch.manifest import (
 from kinetic_prefect.worker.flow_pod import record_key_secret
 from kinetic_prefect.worker.worker import KineticJobConfiguration, KineticWorker, plan_flow_pod
 from tests.support import deployed_flows
-from tests.support.pod_env import service_account_token
 from tests.support.prefect_server import PrefectServer, prefect_server, prefect_worker
 from tests.support.waiting import wait_until
 
@@ -520,46 +518,6 @@ def deploy_to_gke_pool(client: Any, flow: Any, entrypoint: str) -> uuid.UUID:
         job_variables={"cluster": deployed_flows.GKE_CLUSTER},
     )
     return deployment_id
-
-
-def test_deployed_flow_on_gke_runs_as_the_runner_account_and_launches_its_task_pods_there(
-    stack: Stack, gcs, cluster, suite_environment, tmp_path: Path
-):
-    runner_account, pods_account = rbac_service_accounts()
-    server = stack.server
-    with gke_pool_worker(stack, gcs, tmp_path / "gke-worker") as client:
-        deployment_id = deploy_to_gke_pool(client, deployed_flows.cubes_on_gke, "cubes_on_gke")
-        flow_run = client.create_flow_run_from_deployment(deployment_id, parameters={"xs": [2, 3]})
-        final = wait_for_final_state(stack, client, flow_run.id)
-        flow_job = client.read_flow_run(flow_run.id).infrastructure_pid
-        task_run_ids = {str(t.id) for t in task_runs_of(client, flow_run.id)}
-    with client_of(server):
-        result = final.result()
-
-    created = {body["metadata"]["name"]: (token, body) for token, body in cluster.job_creations()}
-    flow_pod = created[flow_job][1]["spec"]["template"]["spec"]
-    task_jobs = [
-        (token, body)
-        for token, body in created.values()
-        if LABEL_TASK_RUN_ID in body["metadata"]["labels"]
-    ]
-    assert final.is_completed(), final.message
-    assert result == [8, 27]
-    assert (flow_pod["serviceAccountName"], flow_pod["automountServiceAccountToken"]) == (
-        runner_account,
-        True,
-    )
-    assert {body["metadata"]["labels"][LABEL_TASK_RUN_ID] for _, body in task_jobs} == (
-        task_run_ids
-    )
-    assert {body["spec"]["template"]["spec"]["serviceAccountName"] for _, body in task_jobs} == {
-        pods_account
-    }
-    assert {token for token, _ in task_jobs} == {service_account_token("default", runner_account)}
-    # The flow pod wrote its task pods' payloads and read their results as the runner's
-    # Google service account, with the documented grants only.
-    assert f"kinetic-runner@{EMULATOR_PROJECT}.iam.gserviceaccount.com" in gcs.iam.callers
-    assert [d for d in gcs.iam.denials if d[1] != "storage.buckets.get"] == []
 
 
 def _running_task_pod(cluster: Any, flow_run_id: uuid.UUID) -> str | None:
