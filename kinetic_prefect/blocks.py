@@ -23,9 +23,10 @@ DOCUMENTATION_URL = "https://pypi.org/project/kinetic-prefect/"
 class KineticGcpCredentials(GcpCredentials):
     """GCP credentials whose storage clients retry transient errors and honour the emulator.
 
-    With `STORAGE_EMULATOR_HOST` set, credentials are anonymous in every process;
-    otherwise this behaves as prefect-gcp's `GcpCredentials` (service account
-    info or file, else Application Default Credentials / Workload Identity).
+    With `STORAGE_EMULATOR_HOST` set, credentials are anonymous in every process
+    unless the block holds a service-account key; otherwise this behaves as
+    prefect-gcp's `GcpCredentials` (service account info or file, else Application
+    Default Credentials / Workload Identity).
 
     Examples:
         Load saved credentials and list a bucket:
@@ -68,17 +69,19 @@ class KineticGcpCredentials(GcpCredentials):
                 raise
 
     def get_credentials_from_service_account(self) -> Any:
-        if gcs.emulator_host():
+        if self._anonymous():
             from google.auth.credentials import AnonymousCredentials
 
             return AnonymousCredentials()
         return super().get_credentials_from_service_account()
 
     def get_cloud_storage_client(self, project: str | None = None) -> Any:
-        if gcs.emulator_host():
-            return gcs.storage_client(project=project or self.project)
-        credentials = super().get_credentials_from_service_account()
+        credentials = None if self._anonymous() else self.get_credentials_from_service_account()
         return gcs.storage_client(project=project or self.project, credentials=credentials)
+
+    def _anonymous(self) -> bool:
+        # Emulator mode has no default credentials; a service-account key is still used.
+        return bool(gcs.emulator_host()) and not gcs.holds_key(self)
 
 
 class KineticCluster(Block):
@@ -135,7 +138,9 @@ class KineticCluster(Block):
         default=None, description="A saved GcsBucket block where task results are persisted."
     )
     gcp_credentials: GcpCredentials | None = Field(
-        default=None, description="Credentials for the jobs bucket (default: ADC)."
+        default=None,
+        description="Whom this machine (runner, worker, CLI) acts as on the jobs bucket and "
+        "when it reads results (default: ADC). Pods never get it: they use Workload Identity.",
     )
     kube_config: KubernetesClusterConfig | None = Field(
         default=None, description="Kubernetes cluster config (else in-cluster or kubeconfig)."
@@ -250,4 +255,5 @@ def cluster_settings(cluster: KineticCluster) -> dict[str, Any]:
         "memory": cluster.memory,
         "pod_overrides": cluster.pod_overrides,
         "env": dict(cluster.env),
+        "gcp_credentials": cluster.gcp_credentials,
     }

@@ -30,6 +30,7 @@ def create_backend(settings: LaunchSettings, jobs_root: str, cluster: Any = None
         return KubernetesBackend(
             jobs_root,
             cluster=cluster,
+            gcp_credentials=settings.gcp_credentials,
             max_parallel=settings.max_parallel,
             pending_timeout_seconds=settings.pending_timeout_seconds,
             cancel_grace_seconds=settings.cancel_grace_seconds,

@@ -254,17 +254,20 @@ def jobs_logs(
     Example: kinetic-prefect jobs logs kp-train-1a2b3c4d --follow
     """
     from kinetic_prefect.cli.job_logs import JobSource, task_log, wait_until_started, warm_pod_of
+    from kinetic_prefect.common.storage import JobsStore, open_store
     from kinetic_prefect.errors import ConfigurationError
 
+    settings = _target(cluster, namespace)[1]
     try:
-        jobs_root: str | None = _target(cluster, namespace)[1].resolved_jobs_root()
+        jobs_root = settings.resolved_jobs_root()
+        store: JobsStore | None = open_store(jobs_root, settings.gcp_credentials)
     except ConfigurationError:
-        jobs_root = None  # no jobs store known: only pods' own logs can be shown
+        store = None  # no jobs store known: only pods' own logs can be shown
 
     async def show(source: JobSource) -> None:
         # A task that ran in a warm pod after its first task has no pod of its own to follow.
-        if not follow or warm_pod_of(jobs_root, job_id) is not None:
-            typer.echo(await task_log(source, jobs_root, job_id, tail, host), nl=False)
+        if not follow or warm_pod_of(store, job_id) is not None:
+            typer.echo(await task_log(source, store, job_id, tail, host), nl=False)
             return
         await wait_until_started(source, job_id)
         async for line in source.follow(job_id, host):
@@ -391,7 +394,11 @@ def jobs_cleanup(
 
     chosen, orphans = _run(_with_access(block, settings, cleanup))
     jobs_root = settings.jobs_root
-    removed = 0 if dry_run or not jobs_root or not chosen else cleanup_jobs(jobs_root, chosen)
+    removed = (
+        0
+        if dry_run or not jobs_root or not chosen
+        else cleanup_jobs(jobs_root, chosen, settings.gcp_credentials)
+    )
     verb = "would delete" if dry_run else "deleted"
     for name in chosen:
         typer.echo(f"{verb} {name}")
@@ -487,7 +494,7 @@ def env_show(cluster: ClusterOption = None, accelerator: AcceleratorOption = Non
     typer.echo(f"requirements: {plan.requirements_source}")
     typer.echo(f"extras:       {', '.join(plan.extras) or '-'}")
     store_root = settings.resolved_environment_store()
-    stored = stored_environment(open_store(store_root), plan.key)
+    stored = stored_environment(open_store(store_root, settings.gcp_credentials), plan.key)
     if stored is None:
         typer.echo(f"store:        not in {store_root} yet (kinetic-prefect env build)")
     else:
@@ -521,7 +528,7 @@ def env_build(cluster: ClusterOption = None, accelerator: AcceleratorOption = No
         backend = create_backend(settings, jobs_root, block)
         builder = cluster_builder(settings, backend)
     try:
-        store = open_store(settings.resolved_environment_store())
+        store = open_store(settings.resolved_environment_store(), settings.gcp_credentials)
         shipped = ENVIRONMENTS.ensure(plan, store, builder)
     except EnvironmentBuildError as exc:
         _fail(str(exc))

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from kinetic_prefect.backends.local.pods import pods_labelled, read_pod
 from kinetic_prefect.common import layout
+from kinetic_prefect.common.storage import JobsStore
 from kinetic_prefect.errors import ConfigurationError
 from kinetic_prefect.launch.manifest import LABEL_TASK_RUN_ID
 
@@ -169,16 +170,14 @@ class ClusterJobs:
         return str(pod["metadata"]["name"])
 
 
-def warm_pod_of(jobs_root: str | None, job_id: str) -> str | None:
+def warm_pod_of(store: JobsStore | None, job_id: str) -> str | None:
     """The warm pod that ran job `job_id` after its first task, if one did."""
     import json
 
-    if jobs_root is None:
+    if store is None:
         return None
     from kinetic_prefect.common.layout import WARM_POD_JSON
-    from kinetic_prefect.common.storage import open_store
 
-    store = open_store(jobs_root)
     key = layout.job_file(job_id, WARM_POD_JSON)
     if not store.exists(key):
         return None
@@ -186,12 +185,12 @@ def warm_pod_of(jobs_root: str | None, job_id: str) -> str | None:
 
 
 async def task_log(
-    source: JobSource, jobs_root: str | None, job_id: str, tail: int | None, host: int = 0
+    source: JobSource, store: JobsStore | None, job_id: str, tail: int | None, host: int = 0
 ) -> str:
     """The log of job `job_id`: its pod's, or its part of the warm pod that ran it."""
     from kinetic_prefect.common.handover import task_section
 
-    pod = warm_pod_of(jobs_root, job_id)
+    pod = warm_pod_of(store, job_id)
     if pod is None:
         return await source.log(job_id, tail, host)
     log = await source.log(pod, None)

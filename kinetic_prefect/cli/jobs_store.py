@@ -12,20 +12,24 @@ from __future__ import annotations
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from kinetic_prefect.common import layout
 from kinetic_prefect.common.storage import open_store
 
 
-def cleanup_jobs(jobs_root: str, job_ids: Iterable[str]) -> int:
+def cleanup_jobs(jobs_root: str, job_ids: Iterable[str], gcp_credentials: Any = None) -> int:
     """Delete the artifacts of `job_ids` under `jobs_root`; returns files removed.
+
+    `gcp_credentials` (a prefect-gcp `GcpCredentials` block) is whom a `gs://` jobs root
+    is cleaned up as; None: Application Default Credentials.
 
     Example:
         ```python
         cleanup_jobs(".kinetic", [future.job_id for future in futures])
         ```
     """
-    store = open_store(jobs_root)
+    store = open_store(jobs_root, gcp_credentials)
     removed = 0
     for job_id in job_ids:
         if not job_id or "/" in job_id or job_id in {".", ".."}:

@@ -77,7 +77,11 @@ def retrying_session(credentials: Any | None) -> Any:
 
 
 def storage_client(project: str | None = None, credentials: Any | None = None) -> Client:
-    """A Cloud Storage client: anonymous in emulator mode, else the given or default credentials."""
+    """A Cloud Storage client with the given credentials, else the default ones.
+
+    The default is Application Default Credentials, or anonymous in emulator mode;
+    given credentials are used in emulator mode too, so the emulator sees their tokens.
+    """
     from google.cloud import storage
 
     if emulator_host():
@@ -85,8 +89,8 @@ def storage_client(project: str | None = None, credentials: Any | None = None) -
 
         return storage.Client(
             project=project or EMULATOR_PROJECT,
-            credentials=AnonymousCredentials(),
-            _http=retrying_session(None),
+            credentials=credentials or AnonymousCredentials(),
+            _http=retrying_session(credentials),
         )
     if credentials is None:
         import google.auth
@@ -141,26 +145,66 @@ def denied_permission(exc: BaseException) -> str | None:
     return match[1] if match else "a storage permission"
 
 
-_clients: dict[int, Any] = {}
+def holds_key(gcp_credentials: Any) -> bool:
+    """Whether a prefect-gcp `GcpCredentials` block holds a service-account key (info or file)."""
+    return bool(
+        getattr(gcp_credentials, "service_account_info", None)
+        or getattr(gcp_credentials, "service_account_file", None)
+    )
+
+
+def _credentials_key(gcp_credentials: Any) -> str | None:
+    """What tells one block's identity from another's; None: the process default."""
+    if not holds_key(gcp_credentials):
+        return None
+    info = gcp_credentials.service_account_info
+    if info is not None:
+        import hashlib
+        import json
+
+        text = json.dumps(info.get_secret_value(), sort_keys=True)
+        return f"info:{hashlib.sha256(text.encode()).hexdigest()}"
+    return f"file:{gcp_credentials.service_account_file}"
+
+
+_clients: dict[tuple[str | None, str | None], Any] = {}
 _clients_lock = threading.Lock()
 
 
-def _shared_client() -> Client:
-    # One client per process (and per emulator setting): clients hold connection pools.
-    key = hash(emulator_host())
+def shared_client(gcp_credentials: Any = None) -> Client:
+    """The process's client for a prefect-gcp `GcpCredentials` block (None: the default).
+
+    A block with a service-account key acts as that account; one without acts as
+    Application Default Credentials, as prefect-gcp's block does. One client per
+    identity (and emulator setting) per process: clients hold connection pools.
+    """
+    key = (emulator_host(), _credentials_key(gcp_credentials))
     with _clients_lock:
         if key not in _clients:
-            _clients[key] = storage_client()
+            if key[1] is None:
+                _clients[key] = storage_client()
+            else:
+                _clients[key] = storage_client(
+                    project=getattr(gcp_credentials, "project", None),
+                    credentials=gcp_credentials.get_credentials_from_service_account(),
+                )
         return _clients[key]
 
 
 class GcsStore:
-    """The jobs store over `gs://bucket/prefix`, with byte and request counters."""
+    """The jobs store over `gs://bucket/prefix`, with byte and request counters.
 
-    def __init__(self, root: str, client: Client | None = None) -> None:
+    `gcp_credentials`, a prefect-gcp `GcpCredentials` block, is whom the store acts
+    as (the orchestrator's `KineticCluster.gcp_credentials`); None: the default.
+    """
+
+    def __init__(
+        self, root: str, client: Client | None = None, gcp_credentials: Any = None
+    ) -> None:
         self.bucket_name, self.prefix = split_gs_uri(root)
         self.root = f"gs://{self.bucket_name}" + (f"/{self.prefix}" if self.prefix else "")
         self._client = client
+        self.gcp_credentials = gcp_credentials
         self._counters = threading.Lock()
         self.bytes_uploaded = 0
         self.uploads = 0
@@ -168,7 +212,7 @@ class GcsStore:
     @property
     def client(self) -> Client:
         if self._client is None:
-            self._client = _shared_client()
+            self._client = shared_client(self.gcp_credentials)
         return self._client
 
     def _name(self, key: str) -> str:

@@ -43,21 +43,36 @@ def result_reference(state: Any) -> Any:
 def _location(storage: Any, key: str) -> str:
     bucket = getattr(storage, "bucket", None)
     if isinstance(bucket, str):
+        # As GcsBucket resolves a key: below its folder, unless the key already is.
         folder = str(getattr(storage, "bucket_folder", "") or "").strip("/")
-        return f"gs://{bucket}/{folder + '/' if folder else ''}{key}"
+        if folder and not key.startswith(folder):
+            key = f"{folder}/{key}"
+        return f"gs://{bucket}/{key}"
     basepath = getattr(storage, "basepath", None)
     if isinstance(basepath, str) and basepath:
         return f"{basepath.rstrip('/')}/{key}"
     return f"{key} (result storage block {getattr(storage, '_block_document_name', '?')})"
 
 
-def read_stored(metadata: Any) -> StoredRecord:
-    """The bytes of the result record `metadata` refers to, read once from its result storage."""
+def read_stored(metadata: Any, gcp_credentials: Any = None) -> StoredRecord:
+    """The bytes of the result record `metadata` refers to, read once from its result storage.
+
+    With `gcp_credentials` (a prefect-gcp `GcpCredentials` block: the orchestrator's
+    `KineticCluster.gcp_credentials`) a record in a GCS bucket is read as that identity,
+    the one the jobs bucket is used as; else through the storage block's own credentials.
+    """
     from prefect.results import resolve_result_storage
 
     storage: Any = resolve_result_storage(metadata.storage_block_id, _sync=True)  # type: ignore[call-arg]
     key = str(metadata.storage_key)
-    return StoredRecord(_location(storage, key), storage.read_path(key, _sync=True))
+    location = _location(storage, key)
+    if gcp_credentials is not None and location.startswith("gs://"):
+        from kinetic_prefect.common.gcs import GcsStore, split_gs_uri
+
+        bucket, name = split_gs_uri(location)
+        store = GcsStore(f"gs://{bucket}", gcp_credentials=gcp_credentials)
+        return StoredRecord(location, store.get_bytes(name))
+    return StoredRecord(location, storage.read_path(key, _sync=True))
 
 
 def load_record(data: bytes, metadata: Any) -> Any:

@@ -11,7 +11,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import Any, BinaryIO, Protocol
 
 _PARTIAL = ".kinetic-partial"  # a write in progress, not yet renamed into place
 
@@ -21,6 +21,8 @@ class JobsStore(Protocol):
 
     root: str
     bytes_uploaded: int
+    # Whom the store acts as on GCS (a prefect-gcp `GcpCredentials` block); None: the default.
+    gcp_credentials: Any
 
     def uri(self, key: str) -> str: ...
     def put_bytes(self, key: str, data: bytes) -> str: ...
@@ -38,6 +40,7 @@ class LocalStore:
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = str(Path(root).absolute())
         self.bytes_uploaded = 0
+        self.gcp_credentials = None
 
     def _path(self, key: str) -> Path:
         path = (Path(self.root) / key).resolve()
@@ -98,12 +101,16 @@ class LocalStore:
         return 0
 
 
-def open_store(root: str) -> JobsStore:
-    """The store for a root: `gs://bucket[/prefix]` or a local directory."""
+def open_store(root: str, gcp_credentials: Any = None) -> JobsStore:
+    """The store for a root: `gs://bucket[/prefix]` or a local directory.
+
+    `gcp_credentials` (a prefect-gcp `GcpCredentials` block) is whom a `gs://` store
+    acts as; None: Application Default Credentials.
+    """
     if root.startswith("gs://"):
         from kinetic_prefect.common.gcs import GcsStore
 
-        return GcsStore(root)
+        return GcsStore(root, gcp_credentials=gcp_credentials)
     if "://" in root:
         raise ValueError(
             f"Unsupported storage location {root!r}: use a local path or gs://bucket/prefix."

@@ -31,18 +31,11 @@ def check_result_storage(storage: Any) -> None:
         )
 
 
-def check_credentials(cluster: Any) -> Any:
-    """Credentials for GCS outside emulator mode: the block's, else Application Default."""
-    if gcs.emulator_host():
-        return None
-    credentials_block = getattr(cluster, "gcp_credentials", None) if cluster else None
+def orchestrator_client(cluster: Any) -> Any:
+    """The storage client this process uses for the cluster's buckets: the cluster's
+    `gcp_credentials`, else Application Default Credentials (the jobs store's own)."""
     try:
-        if credentials_block is not None:
-            return credentials_block.get_credentials_from_service_account()
-        import google.auth
-
-        credentials, _ = google.auth.default()
-        return credentials
+        return gcs.shared_client(getattr(cluster, "gcp_credentials", None) if cluster else None)
     except Exception as exc:
         raise ConfigurationError(
             f"No usable GCP credentials ({exc}). Set service_account_info or service_account_file "
@@ -73,10 +66,7 @@ def check_bucket_permissions(
     """
     from google.api_core.exceptions import NotFound
 
-    credentials = check_credentials(cluster)
-    client = gcs.storage_client(
-        project=getattr(cluster, "project", None) if cluster else None, credentials=credentials
-    )
+    client = orchestrator_client(cluster)
     try:
         granted = set(client.bucket(bucket).test_iam_permissions(list(wanted)))
     except NotFound as exc:

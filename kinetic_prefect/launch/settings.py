@@ -90,6 +90,9 @@ class LaunchSettings:
     # Merged into the pod spec: tolerations, priorityClassName, volumes, ...
     # (`kinetic_prefect.launch.pod_overrides`). Layers combine key by key.
     pod_overrides: Mapping[str, Any] = field(default_factory=dict)
+    # Whom this process acts as on GCS (the jobs store, result reads): a prefect-gcp
+    # `GcpCredentials` block; None: Application Default Credentials. Never sent to pods.
+    gcp_credentials: Any = None
 
     def resolved_jobs_root(self) -> str:
         """Where `kinetic/{job_id}/…` artifacts live: a `gs://bucket[/prefix]` or a local dir."""

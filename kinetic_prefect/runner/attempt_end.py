@@ -102,7 +102,9 @@ def read_attempt_end(
     reference = prefect_results.result_reference(state)
     if reference is not None:
         try:
-            state.data = verified_result(record, reference, job_id, final.get("task_run"))
+            state.data = verified_result(
+                record, reference, job_id, final.get("task_run"), store.gcp_credentials
+            )
         except TamperedResultError as refused:
             return AttemptEnd(Failed(message=str(refused), data=refused), reported_by_pod=False)
     if final.get("traceback"):

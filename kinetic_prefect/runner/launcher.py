@@ -109,7 +109,9 @@ class Launcher:
             if launch.cancelled:
                 return
             launch.parameters = self.ship_data(launch, resolved)
-            launch.store = launch.store or open_store(launch.settings.resolved_jobs_root())
+            launch.store = launch.store or open_store(
+                launch.settings.resolved_jobs_root(), launch.settings.gcp_credentials
+            )
             cached = result_check.cached_state(
                 launch.task,
                 launch.task_run,
@@ -135,7 +137,9 @@ class Launcher:
         """Upload local `Data` once and describe every `Data` as a `DataRef` for the pod."""
         if not data.find_data(parameters):
             return parameters
-        store = launch.store or open_store(launch.settings.resolved_jobs_root())
+        store = launch.store or open_store(
+            launch.settings.resolved_jobs_root(), launch.settings.gcp_credentials
+        )
         launch.store = store
         shipped = ship_parameters(store, parameters, self.resources.data_hashes)
         launch.data_volumes = shipped.volumes
@@ -158,7 +162,7 @@ class Launcher:
         """Package, upload and launch one pod for the task run."""
         settings = launch.settings
         jobs_root = settings.resolved_jobs_root()
-        store = launch.store or open_store(jobs_root)
+        store = launch.store or open_store(jobs_root, settings.gcp_credentials)
         launch.store = store
         source = inspect.getsourcefile(launch.task.fn) if hasattr(launch.task, "fn") else None
         root = find_package_root(source, self.resources.package_root)
@@ -169,7 +173,7 @@ class Launcher:
                 settings,
                 launch.attempt_accelerator(),
                 root,
-                open_store(settings.resolved_environment_store()),
+                open_store(settings.resolved_environment_store(), settings.gcp_credentials),
                 backend,
             )
         payload_uri, payload_sha256, code = self._upload_attempt(launch, store, root)

@@ -117,7 +117,7 @@ class Reattacher:
         pods = earlier.get(labels[LABEL_TASK_IDENTITY], [])
         if not pods:
             return False
-        launch.store = store = launch.store or open_store(jobs_root)
+        launch.store = store = launch.store or open_store(jobs_root, settings.gcp_credentials)
         live = [pod for pod in pods if pod.live]
         if live:
             self._adopt(launcher, launch, backend, store, live[0])

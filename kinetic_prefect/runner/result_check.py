@@ -40,8 +40,12 @@ def _task_run_name(task_run: Any) -> str:
     return f"task run {task_run.name!r} ({task_run.id})" if task_run is not None else "the task run"
 
 
-def verified_result(record: FinalRecord, reference: Any, job_id: str, task_run: Any) -> Any:
+def verified_result(
+    record: FinalRecord, reference: Any, job_id: str, task_run: Any, gcp_credentials: Any = None
+) -> Any:
     """The result record `reference` points at, deserialised only once its bytes match `record`.
+
+    Read as `gcp_credentials`, whom the orchestrator acts as (`prefect_results.read_stored`).
 
     Raises `TamperedResultError` (naming the record and the task run) without
     deserialising anything otherwise.
@@ -52,7 +56,7 @@ def verified_result(record: FinalRecord, reference: Any, job_id: str, task_run: 
             f"The result record {reference.storage_key!r} of {run} is not covered by the "
             f"signed final-state record of pod {job_id}; it was not unpickled. Rerun the task."
         )
-    stored = prefect_results.read_stored(reference)
+    stored = prefect_results.read_stored(reference, gcp_credentials)
     if stored.sha256 != record.result_sha256:
         raise TamperedResultError(
             f"The result record {stored.location} of {run} was changed after pod {job_id} "
@@ -87,7 +91,7 @@ def cached_state(
         storage_key=key, storage_block_id=block_id, serializer=result_store.serializer
     )
     try:
-        stored = prefect_results.read_stored(reference)
+        stored = prefect_results.read_stored(reference, jobs_store.gcp_credentials)
     except Exception as exc:
         denied = prefect_bridge.denied_lookup(exc, result_store.result_storage)
         if denied is not None:

@@ -373,7 +373,7 @@ class KineticWorker(BaseWorker[KineticJobConfiguration, KineticVariables, Kineti
                 settings,
                 plan.spec.accelerator,
                 find_package_root(None),
-                open_store(settings.resolved_environment_store()),
+                open_store(settings.resolved_environment_store(), settings.gcp_credentials),
                 backend,
             )
             plan = plan.with_environment(environment)

@@ -95,6 +95,7 @@ class KubernetesBackend(JobEnding):
         cancel_grace_seconds: float = 10.0,
         kube_context: str | None = None,
         credentials_denied_timeout_seconds: float = CREDENTIALS_DENIED_SECONDS,
+        gcp_credentials: Any = None,
     ) -> None:
         self.jobs_root = jobs_root
         self.cluster = cluster
@@ -106,7 +107,7 @@ class KubernetesBackend(JobEnding):
         self.launch_count = 0
         self._lock = threading.Lock()
         self._closed = False
-        self._store = open_store(jobs_root)
+        self._store = open_store(jobs_root, gcp_credentials)
         self._runtime = LoopThread("kinetic-gke-watcher", on_shutdown=self._close_access)
         self._callbacks = concurrent.futures.ThreadPoolExecutor(
             max_workers=8, thread_name_prefix="kinetic-gke-callback"
