@@ -6,7 +6,10 @@ this process acts as the user, each pod as its service account's Workload Identi
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import re
+from collections.abc import Iterator
 
 import pytest
 from prefect import flow, task
@@ -17,6 +20,8 @@ from kinetic_prefect.common import gcs as kgcs
 from kinetic_prefect.errors import ConfigurationError
 from kinetic_prefect.launch.preflight import check_jobs_root
 from tests.support.gcs_iam import PODS_MEMBER, USER_MEMBER, Grant, documented_grants
+from tests.support.leaks import leaks, scanned_artifacts
+from tests.support.oauth_tokens import TokenEndpoint
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
 
@@ -140,6 +145,54 @@ def test_jobs_bucket_check_names_the_missing_permissions_and_the_grant(gcs):
         f"gcloud storage buckets add-iam-policy-binding gs://{bucket} --member=MEMBER "
         f"--role={OBJECT_ADMIN}" in message
     )
+
+
+@pytest.fixture
+def oauth(gcs) -> Iterator[TokenEndpoint]:
+    """Google's token endpoint for generated service-account keys, trusted by the IAM proxy."""
+    with TokenEndpoint(gcs.iam.tokens) as endpoint:
+        yield endpoint
+
+
+def test_the_orchestrator_acts_as_the_clusters_gcp_credentials_and_pods_never_get_the_key(
+    gke, cluster, gcs, oauth
+):
+    from prefect_gcp.credentials import GcpCredentials
+    from typer.testing import CliRunner
+
+    from kinetic_prefect.blocks import KineticCluster
+    from kinetic_prefect.cli import app
+
+    email = f"kinetic-ci@{kgcs.EMULATOR_PROJECT}.iam.gserviceaccount.com"
+    key = oauth.key(email, kgcs.EMULATOR_PROJECT)
+    GcpCredentials(service_account_info=key).save(f"{gke}-key")
+    block = KineticCluster.load(gke)
+    block.gcp_credentials = GcpCredentials.load(f"{gke}-key")
+    block.save(gke, overwrite=True)
+    # The key's account holds what the docs grant you; you (this process's ADC) hold nothing.
+    yours = [g for g in gcs.iam.grants if g.member == USER_MEMBER]
+    gcs.iam.grant(dataclasses.replace(g, member=f"serviceAccount:{email}") for g in yours)
+
+    @flow(task_runner=KineticTaskRunner(cluster=gke, allow_loopback_api=True))
+    def cubes() -> list[int]:
+        return [f.result() for f in cube.map([2, 3])]
+
+    with contextlib.ExitStack() as revoked:
+        for grant in yours:
+            revoked.enter_context(gcs.iam.revoked(grant))
+        results = cubes()
+        artifacts = scanned_artifacts(cluster, gcs)
+        cleanup = CliRunner().invoke(app, ["jobs", "cleanup", "--cluster", gke])
+
+    assert results == [8, 27]
+    assert cleanup.exit_code == 0, cleanup.output
+    assert gcs.names("kinetic/") == []
+    assert object_denials(gcs) == []
+    assert email in gcs.iam.callers
+    assert USER_MEMBER.partition(":")[2] not in gcs.iam.callers
+    assert PODS_MEMBER.partition(":")[2] in gcs.iam.callers
+    secret_parts = [key["private_key_id"], key["private_key"].splitlines()[5]]
+    assert leaks(secret_parts, artifacts) == []
 
 
 def test_jobs_bucket_check_says_a_missing_bucket_does_not_exist(gcs):

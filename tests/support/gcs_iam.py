@@ -8,7 +8,9 @@ itself, from the identity's roles.
 
 Identities. Clients in emulator mode send no token, so the proxy tells callers
 apart by the port they reach: one port per identity (`endpoint(member)`), which
-the product neither chooses nor sees. The test process (the user running flows)
+the product neither chooses nor sees. A request that carries a bearer token in
+`tokens` (issued for a service-account key, tests/support/oauth_tokens.py) acts
+as the token's member instead, whatever port it reached. The test process (the user running flows)
 reaches the user's port; a pod reaches the port of its Kubernetes service
 account's Google service account, as Workload Identity gives it (the test
 kubelet puts that port in the pod's env, tests/support/pod_env.py). A
@@ -331,6 +333,8 @@ class IamProxy:
         # (roles/iam.workloadIdentityUser): `documented_workload_identity_users()`.
         self.workload_identity_users: set[tuple[str, str]] = set()
         self.denials: list[tuple[str, str, str | None]] = []
+        # Bearer tokens and the member each stands for (tests/support/oauth_tokens.py).
+        self.tokens: dict[str, str] = {}
         # Every caller a request was forwarded for.
         self.callers: set[str] = set()
         self._servers: dict[str, http.server.ThreadingHTTPServer] = {}
@@ -400,12 +404,17 @@ class IamProxy:
     def _bucket_exists(self, bucket: str) -> bool:
         return self._found(f"/storage/v1/b/{bucket}")
 
-    def _serve(self, member: str) -> http.server.ThreadingHTTPServer:
+    def _serve(self, port_member: str) -> http.server.ThreadingHTTPServer:
         proxy = self
-        caller = member.partition(":")[2] or member
 
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+
+            @property
+            def member(self) -> str:
+                token = (self.headers.get("Authorization") or "").removeprefix("Bearer ")
+                with proxy._lock:
+                    return proxy.tokens.get(token.strip(), port_member)
 
             def log_message(self, *args: object) -> None:
                 return
@@ -423,7 +432,7 @@ class IamProxy:
                 if not proxy._bucket_exists(bucket):
                     self._answer(404, _not_found_body("The specified bucket does not exist."))
                     return
-                held = proxy.permissions(member, bucket)
+                held = proxy.permissions(self.member, bucket)
                 asked = query.get("permissions") or []
                 answer: dict[str, Any] = {"kind": "storage#testIamPermissionsResponse"}
                 granted = [p for p in asked if p in held]
@@ -445,6 +454,8 @@ class IamProxy:
                 if wanted is None:
                     self._test_permissions()
                     return
+                member = self.member
+                caller = member.partition(":")[2] or member
                 for need in wanted:
                     if need.permission not in proxy.permissions(member, need.bucket):
                         with proxy._lock:
