@@ -5,7 +5,9 @@
 
 Credentials: the blocks hold none; the orchestrator uses Application Default
 Credentials and pods use Workload Identity (see deployments/ for the service
-account). Pass --service-account-file to embed a key instead (not recommended).
+account). Pass --service-account-file to have the orchestrator act as that key's
+account instead (not recommended): it goes on the cluster block only, never on the
+result storage block, which pods load.
 """
 
 from __future__ import annotations
@@ -36,12 +38,11 @@ def main() -> None:
     parser.add_argument("--kubernetes-service-account", default="kinetic-prefect-pods")
     parser.add_argument("--service-account-file")
     args = parser.parse_args()
-    credentials = KineticGcpCredentials(
-        project=args.project, service_account_file=args.service_account_file
-    )
     results_name = f"{args.name}-results"
     GcsBucket(
-        bucket=args.results_bucket, bucket_folder="results", gcp_credentials=credentials
+        bucket=args.results_bucket,
+        bucket_folder="results",
+        gcp_credentials=KineticGcpCredentials(project=args.project),
     ).save(results_name, overwrite=True)
     KineticCluster(
         backend="gke",
@@ -52,7 +53,9 @@ def main() -> None:
         namespace=args.namespace,
         jobs_bucket=f"gs://{args.jobs_bucket}",
         result_storage=GcsBucket.load(results_name),
-        gcp_credentials=credentials,
+        gcp_credentials=KineticGcpCredentials(
+            project=args.project, service_account_file=args.service_account_file
+        ),
         container_image=args.image,
         environment="image" if args.image else None,
         service_account=args.kubernetes_service_account,

@@ -22,6 +22,38 @@ _FLAVOR = "Metadata-Flavor"
 _ROOT = "/computeMetadata/v1"
 
 
+def serve(handler: type[http.server.BaseHTTPRequestHandler]) -> http.server.ThreadingHTTPServer:
+    """`handler` answering on a free local port, from a daemon thread (`stop` ends it)."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def stop(server: http.server.ThreadingHTTPServer | None) -> None:
+    if server is not None:
+        server.shutdown()
+        server.server_close()
+
+
+def respond(
+    handler: http.server.BaseHTTPRequestHandler,
+    status: int,
+    content_type: str,
+    body: str,
+    headers: dict[str, str] | None = None,
+) -> None:
+    """Answer `handler`'s request with `body`."""
+    data = body.encode()
+    handler.send_response(status)
+    for name, value in (headers or {}).items():
+        handler.send_header(name, value)
+    handler.send_header("Content-Type", content_type)
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+
+
 class MetadataServer:
     def __init__(self, project: str, email: str = "default") -> None:
         self.project = project
@@ -63,24 +95,13 @@ class MetadataServer:
                     self.send_response(403 if found else 404)
                     self.end_headers()
                     return
-                status, content_type, body = found
-                data = body.encode()
-                self.send_response(status)
-                self.send_header(_FLAVOR, "Google")
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                respond(self, *found, headers={_FLAVOR: "Google"})
 
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        self._server = serve(Handler)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+        stop(self._server)
 
     def env(self) -> dict[str, str]:
         """What points google-auth's ADC at this server."""

@@ -21,6 +21,8 @@ import threading
 import urllib.parse
 from typing import Any
 
+from tests.support.metadata_server import respond, serve, stop
+
 _JWT_BEARER = "urn:ietf:params:oauth:grant-type:jwt-bearer"
 # The audience google-auth signs assertions for, whatever the key's token_uri.
 _AUDIENCE = "https://oauth2.googleapis.com/token"
@@ -95,19 +97,10 @@ class TokenEndpoint:
                 length = int(self.headers.get("Content-Length") or 0)
                 form = urllib.parse.parse_qs(self.rfile.read(length).decode())
                 status, answer = outer.exchange(form)
-                data = json.dumps(answer).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                respond(self, status, "application/json", json.dumps(answer))
 
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        self._server = serve(Handler)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+        stop(self._server)
