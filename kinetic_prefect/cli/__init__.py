@@ -420,8 +420,17 @@ def doctor(
         str | None, typer.Option("--accelerator", help="Check node pools for this accelerator.")
     ] = None,
     namespace: NamespaceOption = None,
+    pod_check: Annotated[
+        bool,
+        typer.Option(
+            "--pod-check/--no-pod-check",
+            help="Run a short pod as the task pods' service account to check their bucket "
+            "access (gke).",
+        ),
+    ] = True,
 ) -> None:
-    """Check the configuration: Prefect API for pods, buckets, cluster access, node pools.
+    """Check the configuration: Prefect API for pods, buckets, cluster access, node pools,
+    and (in a short pod) the task pods' own bucket access.
 
     Example: kinetic-prefect doctor --cluster gke --accelerator tpu-v5e-4
     """
@@ -429,7 +438,7 @@ def doctor(
 
     block, settings = _target(cluster, namespace)
     failed = False
-    for check in run_checks(block, settings, accelerator):
+    for check in run_checks(block, settings, accelerator, pod_check):
         label, colour = {
             "ok": ("ok", "green"),
             "warn": ("warn", "yellow"),

@@ -2,14 +2,29 @@
 
 The launch-time checks (`kinetic_prefect.launch.preflight`) run again here, with
 the cluster's own: access to its Jobs, and node pools for the accelerator.
+
+GCS answers `testIamPermissions` only for the caller, so what the task pods may
+do on the buckets is asked from a pod: a short Job (`cpu`, the cluster's image,
+the task pods' service account, `backoffLimit: 0`, a TTL, the label
+`kinetic-prefect.io/doctor`) runs the stdlib-only bootstrap's `test-iam`
+(`kinetic_prefect.pod.bootstrap`) and prints the answer in its log.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import threading
 from dataclasses import dataclass
 from typing import Any
 
-from kinetic_prefect.common.gcs import RESULTS_BUCKET_READ_PERMISSIONS
+from kinetic_prefect.common.gcs import (
+    JOBS_BUCKET_PERMISSIONS,
+    RESULTS_BUCKET_READ_PERMISSIONS,
+    RESULTS_BUCKET_WRITE_PERMISSIONS,
+    grant_hint,
+    split_gs_uri,
+)
 from kinetic_prefect.errors import ConfigurationError
 from kinetic_prefect.launch.preflight import (
     check_api_reachable_by_pods,
@@ -298,12 +313,131 @@ async def _node_pool_check(access: Any, name: str, list_nodes: Any) -> Check:
     return Check("Node pools", "ok", f"{accelerator.name}: {detail}")
 
 
-def doctor_checks(cluster: Any, settings: Any, accelerator: str | None = None) -> list[Check]:
-    """Every check `kinetic-prefect doctor` prints, in order."""
+# The doctor's pod: how long it may take, pending included, and how long Kubernetes keeps it.
+POD_CHECK_TIMEOUT_SECONDS = 300
+POD_CHECK_TTL_SECONDS = 600
+LABEL_DOCTOR = "kinetic-prefect.io/doctor"
+POD_CHECK = "Task pods' bucket access"
+
+
+def pods_wanted_permissions(cluster: Any, settings: Any) -> dict[str, list[str]]:
+    """What the task pods need on each bucket: bucket -> permissions."""
+    wanted: dict[str, set[str]] = {}
+    jobs_bucket, _ = split_gs_uri(settings.resolved_jobs_root())
+    wanted.setdefault(jobs_bucket, set()).update(JOBS_BUCKET_PERMISSIONS)
+    storage: Any = getattr(cluster, "result_storage", None)
+    if isinstance(getattr(storage, "bucket", None), str):
+        wanted.setdefault(storage.bucket, set()).update(RESULTS_BUCKET_WRITE_PERMISSIONS)
+    store = settings.resolved_environment_store()
+    if settings.ships_environment() and store.startswith("gs://"):
+        # Pods read their environment; a builder Job, as the same account, writes it.
+        wanted.setdefault(split_gs_uri(store)[0], set()).update(JOBS_BUCKET_PERMISSIONS)
+    return {bucket: sorted(permissions) for bucket, permissions in wanted.items()}
+
+
+def pods_bucket_check(cluster: Any, settings: Any) -> Check:
+    """Run the doctor's pod as the task pods' account; what it lacks, each with its grant."""
+    from kinetic_prefect.backends import create_backend
+    from kinetic_prefect.backends.base import PodExit
+    from kinetic_prefect.launch.accelerators import parse_accelerator
+    from kinetic_prefect.launch.environment import test_iam_command
+    from kinetic_prefect.launch.manifest import LaunchSpec, build_job_manifest, new_job_id
+    from kinetic_prefect.launch.pod_secrets import split_env
+    from kinetic_prefect.pod.bootstrap import IAM_ANSWER_PREFIX
+
+    wanted = pods_wanted_permissions(cluster, settings)
+    account = settings.service_account or "default"
+    try:
+        backend = create_backend(
+            dataclasses.replace(settings, pending_timeout_seconds=POD_CHECK_TIMEOUT_SECONDS),
+            settings.resolved_jobs_root(),
+            cluster,
+        )
+    except ConfigurationError as exc:
+        return Check(POD_CHECK, "fail", f"cannot start the doctor's pod: {exc}")
+    plain_env, _ = split_env(settings.env)
+    spec = LaunchSpec(
+        job_id=new_job_id("doctor"),
+        task_name="kinetic-prefect doctor: task pods' bucket access",
+        task_run_id=None,
+        flow_run_id=None,
+        accelerator=parse_accelerator("cpu"),
+        image=settings.resolved_image(),
+        namespace=settings.namespace,
+        output_dir="",
+        env=plain_env,
+        timeout_seconds=POD_CHECK_TIMEOUT_SECONDS,
+        ttl_seconds_after_finished=POD_CHECK_TTL_SECONDS,
+        service_account=settings.service_account,
+        command=tuple(test_iam_command(wanted)),
+        extra_labels={LABEL_DOCTOR: "bucket-access"},
+        pod_overrides=settings.pod_overrides,
+    )
+    ended = threading.Event()
+    outcome: list[PodExit] = []
+
+    def on_exit(exit: PodExit) -> None:
+        outcome.append(exit)
+        ended.set()
+
+    pod = f"the doctor's pod {spec.job_id} (service account {account}, image {spec.image})"
+    skip = "; or skip this check with --no-pod-check"
+    try:
+        backend.launch(build_job_manifest(spec), on_exit=on_exit, secrets={})
+        if not ended.wait(POD_CHECK_TIMEOUT_SECONDS + settings.cancel_grace_seconds):
+            backend.cancel(spec.job_id)
+            return Check(
+                POD_CHECK, "fail", f"{pod} did not end in {POD_CHECK_TIMEOUT_SECONDS}s{skip}"
+            )
+        log = backend.logs(spec.job_id)
+    finally:
+        backend.close()
+    answers = [
+        line.partition(IAM_ANSWER_PREFIX)[2]
+        for line in log.splitlines()
+        if IAM_ANSWER_PREFIX in line
+    ]
+    if not answers:
+        tail = f"; its log ends: {log.strip()[-500:]}" if log.strip() else ""
+        return Check(POD_CHECK, "fail", f"{pod}: {outcome[0].describe()}{tail}{skip}")
+    return _pods_bucket_verdict(account, wanted, json.loads(answers[-1]))
+
+
+def _pods_bucket_verdict(account: str, wanted: dict[str, list[str]], answer: Any) -> Check:
+    email = answer.get("account")
+    who = f"task pods ({account}" + (f", acting as {email})" if email else ")")
+    member = f"serviceAccount:{email}" if email else None
+    problems = []
+    for bucket, permissions in wanted.items():
+        granted = answer["buckets"].get(bucket)
+        if isinstance(granted, dict):
+            problems.append(f"cannot ask GCS about gs://{bucket}: {granted.get('error')}")
+            continue
+        missing = [p for p in permissions if p not in set(granted or [])]
+        if missing:
+            problems.append(
+                f"lack {', '.join(missing)} on gs://{bucket}. "
+                + grant_hint(bucket, missing, member)
+            )
+    if problems:
+        return Check(POD_CHECK, "fail", f"{who}: " + " ".join(problems))
+    buckets = ", ".join(f"gs://{b}" for b in wanted)
+    return Check(POD_CHECK, "ok", f"{who} hold what they need on {buckets}")
+
+
+def doctor_checks(
+    cluster: Any, settings: Any, accelerator: str | None = None, pod_check: bool = True
+) -> list[Check]:
+    """Every check `kinetic-prefect doctor` prints, in order.
+
+    `pod_check`: run the doctor's pod to ask what the task pods may do on the buckets.
+    """
     from kinetic_prefect.backends.gke.client import run_sync
 
     checks = [_api_check(settings), *_bucket_checks(cluster, settings)]
     wanted = accelerator or (settings.accelerator if settings.accelerator != "cpu" else None)
     if settings.backend == "gke" or accelerator:
         checks += run_sync(_cluster_checks(cluster, settings, wanted))
+    if settings.backend == "gke" and pod_check:
+        checks.append(pods_bucket_check(cluster, settings))
     return checks

@@ -35,6 +35,13 @@ JOBS_BUCKET_PERMISSIONS = (
 # What reading a task's result through Prefect's GcsBucket needs (it reads the bucket's
 # metadata before every read).
 RESULTS_BUCKET_READ_PERMISSIONS = ("storage.buckets.get", "storage.objects.get")
+# What a pod's engine writing a result through GcsBucket needs (an overwrite needs delete).
+RESULTS_BUCKET_WRITE_PERMISSIONS = (
+    "storage.buckets.get",
+    "storage.objects.create",
+    "storage.objects.delete",
+    "storage.objects.get",
+)
 PERMISSIONS_DOC = (
     'docs/kubernetes.md "Permissions" (roles: '
     "https://cloud.google.com/iam/docs/roles-permissions/storage)"
@@ -121,17 +128,21 @@ def role_holding(permission: str) -> str:
     return "roles/storage.objectAdmin"
 
 
-def grant_hint(bucket: str, permissions: list[str]) -> str:
-    """The gcloud commands that grant `permissions` on `bucket` to whoever lacks them."""
+def grant_hint(bucket: str, permissions: list[str], member: str | None = None) -> str:
+    """The gcloud commands that grant `permissions` on `bucket` to `member` (else MEMBER)."""
     roles = sorted({role_holding(p) for p in permissions})
     commands = "; ".join(
-        f"gcloud storage buckets add-iam-policy-binding gs://{bucket} --member=MEMBER --role={role}"
+        f"gcloud storage buckets add-iam-policy-binding gs://{bucket} "
+        f"--member={member or 'MEMBER'} --role={role}"
         for role in roles
     )
+    who = (
+        member
+        or "the account that lacks it (MEMBER: user:YOU@EXAMPLE.COM, or "
+        "serviceAccount:GSA@PROJECT.iam.gserviceaccount.com for pods through Workload Identity)"
+    )
     return (
-        f"Grant {' and '.join(roles)} on gs://{bucket} to the account that lacks it "
-        f"(MEMBER: user:YOU@EXAMPLE.COM, or serviceAccount:GSA@PROJECT.iam.gserviceaccount.com "
-        f"for pods through Workload Identity): {commands}. See {PERMISSIONS_DOC}."
+        f"Grant {' and '.join(roles)} on gs://{bucket} to {who}: {commands}. See {PERMISSIONS_DOC}."
     )
 
 

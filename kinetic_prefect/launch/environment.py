@@ -650,3 +650,9 @@ def bootstrap_command(
 def builder_command(spec_uri: str, destination: str) -> list[str]:
     return ["python", "-c", BOOTSTRAP_SOURCE.read_text(), "build", "--spec", spec_uri,
             "--upload", destination]  # fmt: skip
+
+
+def test_iam_command(wanted: dict[str, list[str]]) -> list[str]:
+    """A stock-image pod's command: which of `wanted` (bucket -> permissions) it holds."""
+    return ["python", "-c", BOOTSTRAP_SOURCE.read_text(), "test-iam", "--wanted",
+            json.dumps(wanted, sort_keys=True)]  # fmt: skip

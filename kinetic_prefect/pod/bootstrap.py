@@ -21,6 +21,11 @@ for the pod's platform into a directory and packs it, then writes the
 archive, its manifest and, last, its marker. The builder Job runs it on the
 cluster; `environment_builder="local"` runs the same command on the
 orchestrator's machine. See docs/environments.md.
+
+`test-iam` asks Cloud Storage (`testIamPermissions`) which of the given
+permissions this pod's identity holds on each bucket, and prints the answer
+as one JSON line after `IAM_ANSWER_PREFIX`: `kinetic-prefect doctor` runs it
+in a short pod as the task pods' service account and reads it from the log.
 """
 
 from __future__ import annotations
@@ -63,9 +68,12 @@ UNPACKED_MARKER = ".kinetic-env-ready"
 # Inside the environment: the spec it was built from (a flow pod plans its tasks' from it).
 ENV_SPEC_FILE = "kinetic-environment.json"
 
-_METADATA_TOKEN_URL = (
-    "http://metadata.google.internal/computeMetadata/v1/instance/service-accounts/default/token"
+_METADATA_ACCOUNT_URL = (
+    "http://metadata.google.internal/computeMetadata/v1/instance/service-accounts/default"
 )
+_METADATA_TOKEN_URL = f"{_METADATA_ACCOUNT_URL}/token"
+# What starts the line `test-iam` prints (read back by `kinetic_prefect.cli.doctor`).
+IAM_ANSWER_PREFIX = "kinetic-prefect-iam: "
 _GCS_HOST = "https://storage.googleapis.com"
 _RETRY_STATUSES = (408, 429, 500, 502, 503, 504)
 _ATTEMPTS = 6
@@ -483,6 +491,39 @@ def build(options: argparse.Namespace) -> int:
     return 0
 
 
+def _account_email() -> str | None:
+    """The Google service account this pod acts as, when a metadata server says so."""
+    if os.environ.get("STORAGE_EMULATOR_HOST"):
+        return None
+    request = urllib.request.Request(
+        f"{_METADATA_ACCOUNT_URL}/email", headers={"Metadata-Flavor": "Google"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.read().decode().strip() or None
+    except OSError:
+        return None
+
+
+def test_iam(wanted: dict) -> dict:
+    """Which of `wanted` (bucket -> permissions) this pod holds; an error in place of a list."""
+    buckets: dict = {}
+    for bucket, permissions in wanted.items():
+        query = urllib.parse.urlencode([("permissions", p) for p in permissions])
+        url = (
+            f"{_gcs_host()}/storage/v1/b/{urllib.parse.quote(bucket, safe='')}"
+            f"/iam/testPermissions?{query}"
+        )
+        try:
+            with _request(url) as response:
+                buckets[bucket] = json.load(response).get("permissions", [])
+        except urllib.error.HTTPError as exc:
+            buckets[bucket] = {"error": f"HTTP {exc.code}: {exc.msg}"}
+        except (OSError, ValueError, EnvironmentFailure) as exc:
+            buckets[bucket] = {"error": str(exc)}
+    return {"account": _account_email(), "buckets": buckets}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kinetic-prefect-bootstrap")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -498,7 +539,13 @@ def main(argv: list[str] | None = None) -> int:
     build_parser.add_argument("--upload", default="")
     build_parser.add_argument("--out", default="")
     build_parser.add_argument("--built-by", default="builder Job")
+    iam_parser = commands.add_parser("test-iam")
+    iam_parser.add_argument("--wanted", required=True, help="JSON: bucket -> permissions")
     options = parser.parse_args(argv)
+    if options.command == "test-iam":
+        answer = test_iam(json.loads(options.wanted))
+        print(IAM_ANSWER_PREFIX + json.dumps(answer, sort_keys=True), flush=True)
+        return 0
     if options.command == "run":
         if options.args[:1] == ["--"]:
             options.args = options.args[1:]

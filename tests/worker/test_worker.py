@@ -449,6 +449,52 @@ def test_the_worker_keeps_nothing_about_flow_runs_that_have_ended(
     assert kept == []
 
 
+PRUNE_POOL = "kinetic-prune"
+
+
+async def _abandon_then_sync(flow_run: FlowRun, configuration: Any) -> tuple[list[str], list[str]]:
+    """Launch the run's pod and stop following it at once, so the run ends before its pod;
+    what the worker keeps then, and once its periodic syncs have seen the pod end."""
+    async with KineticWorker(work_pool_name=PRUNE_POOL) as worker:
+        with anyio.CancelScope() as following:
+            async with anyio.create_task_group() as runs:
+                await runs.start(worker.run, flow_run, configuration)
+                following.cancel()
+        abandoned = worker.kept_jobs()
+
+        def synced_clean() -> bool:
+            anyio.from_thread.run(worker.sync_with_backend)
+            return not worker.kept_jobs()
+
+        with contextlib.suppress(AssertionError):
+            await anyio.to_thread.run_sync(
+                wait_until, synced_clean, 30, "a sync to forget the abandoned flow-run pod"
+            )
+        return abandoned, worker.kept_jobs()
+
+
+def test_the_periodic_sync_forgets_a_flow_pod_whose_run_ended_before_the_pod(
+    stack: Stack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KINETIC_JOBS_ROOT", str(tmp_path / ".kinetic"))
+    stack.server.cli("work-pool", "create", "--type", "kinetic", PRUNE_POOL)
+    with stack.server.client() as client:
+        deployment_id = deploy_sweep(client, "sweep-prune", PRUNE_POOL)
+        flow_run = client.create_flow_run_from_deployment(deployment_id, parameters=ONE_TRIAL)
+    # A pod that ends on its own, without running the flow.
+    configuration = KineticJobConfiguration(command="python -c pass")
+    configuration.prepare_for_flow_run(flow_run)
+
+    with client_of(stack.server):
+        abandoned, kept = asyncio.run(_abandon_then_sync(flow_run, configuration))
+    with stack.server.client() as client:
+        client.delete_deployment(deployment_id)
+
+    assert len(abandoned) == 1
+    assert kept == []
+
+
 def rbac_service_accounts() -> tuple[str, str]:
     """(flow pods' account, task pods' account) as deployments/k8s/rbac.yaml ships them.
 
