@@ -279,6 +279,8 @@ def test_cluster_option_uses_the_saved_blocks_kube_config_and_namespace(
 
 
 # -- doctor ----------------------------------------------------------------------------------
+# This module's pods run no containers, so doctor's pod check is left out here
+# (--no-pod-check); tests/emulated/test_doctor_pods.py tests it.
 
 
 @pytest.fixture
@@ -306,7 +308,7 @@ def test_doctor_passes_rbac_and_service_accounts_after_rbac_yaml(gke_block, gcs,
     monkeypatch.setenv("KINETIC_ALLOW_LOOPBACK_API", "true")
     name = _doctor_block(gcs, "doctor-pods", service_account="kinetic-prefect-pods")
 
-    result = cli.invoke(app, ["doctor", "--cluster", name])
+    result = cli.invoke(app, ["doctor", "--no-pod-check", "--cluster", name])
 
     assert "ok  RBAC: every verb the runner uses is granted" in result.output, result.output
     assert "Service account kinetic-prefect-pods: task pods" in result.output
@@ -320,7 +322,7 @@ def test_doctor_fails_a_pods_service_account_that_does_not_exist_naming_the_fix(
     # The account blocks/save_gke.py once defaulted to; rbac.yaml creates kinetic-prefect-pods.
     name = _doctor_block(gcs, "doctor-typo", service_account="kinetic-prefect-pod")
 
-    result = cli.invoke(app, ["doctor", "--cluster", name])
+    result = cli.invoke(app, ["doctor", "--no-pod-check", "--cluster", name])
 
     assert result.exit_code == 1
     assert (
@@ -334,7 +336,7 @@ def test_doctor_lists_every_verb_a_user_without_the_binding_lacks(gke_block, clu
     cluster.refusals_expected = True
     cluster.unbind_user()
 
-    result = cli.invoke(app, ["doctor", "--cluster", gke_block])
+    result = cli.invoke(app, ["doctor", "--no-pod-check", "--cluster", gke_block])
 
     assert result.exit_code == 1
     assert "FAIL  Cluster access" in result.output
@@ -346,7 +348,7 @@ def test_doctor_lists_every_verb_a_user_without_the_binding_lacks(gke_block, clu
 
 
 def test_doctor_fails_a_loopback_prefect_api_for_the_gke_backend(gke_block):
-    result = cli.invoke(app, ["doctor", "--cluster", gke_block])
+    result = cli.invoke(app, ["doctor", "--no-pod-check", "--cluster", gke_block])
 
     assert result.exit_code == 1
     assert "loopback address, which pods in the cluster cannot reach" in result.output
@@ -360,7 +362,9 @@ def test_doctor_counts_the_nodes_that_offer_the_accelerator(gke_block, cluster, 
     ]
     cluster.publish_nodes()
 
-    result = cli.invoke(app, ["doctor", "--cluster", gke_block, "--accelerator", "l4"])
+    result = cli.invoke(
+        app, ["doctor", "--no-pod-check", "--cluster", gke_block, "--accelerator", "l4"]
+    )
 
     assert result.exit_code == 0, result.output
     assert "1 node(s) with cloud.google.com/gke-accelerator=nvidia-l4" in result.output
@@ -371,7 +375,9 @@ def test_doctor_warns_when_no_node_offers_the_accelerator(gke_block, cluster, mo
     monkeypatch.setenv("KINETIC_ALLOW_LOOPBACK_API", "true")
     cluster.publish_nodes()
 
-    result = cli.invoke(app, ["doctor", "--cluster", gke_block, "--accelerator", "tpu-v5e-4"])
+    result = cli.invoke(
+        app, ["doctor", "--no-pod-check", "--cluster", gke_block, "--accelerator", "tpu-v5e-4"]
+    )
 
     assert result.exit_code == 0, result.output
     assert "no node has cloud.google.com/gke-tpu-accelerator=tpu-v5-lite-podslice" in result.output
