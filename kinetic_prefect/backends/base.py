@@ -116,3 +116,24 @@ class Backend(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def run_to_end(
+    backend: Backend, manifest: dict[str, Any], timeout_seconds: float
+) -> PodExit | None:
+    """Launch a Job with no secrets and wait for its pod's end; None (the Job cancelled) when
+    it has not ended within `timeout_seconds`, pending included."""
+    import threading
+
+    ended = threading.Event()
+    outcome: list[PodExit] = []
+
+    def on_exit(exit: PodExit) -> None:
+        outcome.append(exit)
+        ended.set()
+
+    backend.launch(manifest, on_exit=on_exit, secrets={})
+    if not ended.wait(timeout_seconds):
+        backend.cancel(str(manifest["metadata"]["name"]))
+        return None
+    return outcome[0]

@@ -8,13 +8,12 @@ is missing, by a builder Job on the launch's backend (`environment_builder=
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 
 from prefect.logging import get_logger
 
-from kinetic_prefect.backends.base import Backend, PodExit
+from kinetic_prefect.backends.base import Backend, run_to_end
 from kinetic_prefect.common.storage import JobsStore
 from kinetic_prefect.errors import EnvironmentBuildError
 from kinetic_prefect.launch.accelerators import Accelerator, parse_accelerator
@@ -70,13 +69,6 @@ def cluster_builder(settings: LaunchSettings, backend: Backend) -> ClusterBuilde
             # and memory do not (a builder is a cpu pod).
             pod_overrides=settings.pod_overrides,
         )
-        ended = threading.Event()
-        outcome: list[PodExit] = []
-
-        def on_exit(exit: PodExit) -> None:
-            outcome.append(exit)
-            ended.set()
-
         logger.info(
             "Building environment %s (%d packages) with builder Job %s",
             plan.key[:12],
@@ -84,13 +76,11 @@ def cluster_builder(settings: LaunchSettings, backend: Backend) -> ClusterBuilde
             job_id,
         )
         started = time.monotonic()
-        backend.launch(build_job_manifest(spec), on_exit=on_exit, secrets={})
-        if not ended.wait(BUILD_TIMEOUT_SECONDS):
-            backend.cancel(job_id)
+        result = run_to_end(backend, build_job_manifest(spec), BUILD_TIMEOUT_SECONDS)
+        if result is None:
             raise EnvironmentBuildError(
                 f"Builder Job {job_id} did not finish in {BUILD_TIMEOUT_SECONDS:g}s."
             )
-        result = outcome[0]
         if result.exit_code != 0:
             tail = result.log_tail or backend.logs(job_id, tail=40)
             raise EnvironmentBuildError(

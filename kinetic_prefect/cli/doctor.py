@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -338,7 +337,7 @@ def pods_wanted_permissions(cluster: Any, settings: Any) -> dict[str, list[str]]
 def pods_bucket_check(cluster: Any, settings: Any) -> Check:
     """Run the doctor's pod as the task pods' account; what it lacks, each with its grant."""
     from kinetic_prefect.backends import create_backend
-    from kinetic_prefect.backends.base import PodExit
+    from kinetic_prefect.backends.base import run_to_end
     from kinetic_prefect.launch.accelerators import parse_accelerator
     from kinetic_prefect.launch.environment import test_iam_command
     from kinetic_prefect.launch.manifest import LaunchSpec, build_job_manifest, new_job_id
@@ -373,19 +372,15 @@ def pods_bucket_check(cluster: Any, settings: Any) -> Check:
         extra_labels={LABEL_DOCTOR: "bucket-access"},
         pod_overrides=settings.pod_overrides,
     )
-    ended = threading.Event()
-    outcome: list[PodExit] = []
-
-    def on_exit(exit: PodExit) -> None:
-        outcome.append(exit)
-        ended.set()
-
     pod = f"the doctor's pod {spec.job_id} (service account {account}, image {spec.image})"
     skip = "; or skip this check with --no-pod-check"
     try:
-        backend.launch(build_job_manifest(spec), on_exit=on_exit, secrets={})
-        if not ended.wait(POD_CHECK_TIMEOUT_SECONDS + settings.cancel_grace_seconds):
-            backend.cancel(spec.job_id)
+        outcome = run_to_end(
+            backend,
+            build_job_manifest(spec),
+            POD_CHECK_TIMEOUT_SECONDS + settings.cancel_grace_seconds,
+        )
+        if outcome is None:
             return Check(
                 POD_CHECK, "fail", f"{pod} did not end in {POD_CHECK_TIMEOUT_SECONDS}s{skip}"
             )
@@ -399,7 +394,7 @@ def pods_bucket_check(cluster: Any, settings: Any) -> Check:
     ]
     if not answers:
         tail = f"; its log ends: {log.strip()[-500:]}" if log.strip() else ""
-        return Check(POD_CHECK, "fail", f"{pod}: {outcome[0].describe()}{tail}{skip}")
+        return Check(POD_CHECK, "fail", f"{pod}: {outcome.describe()}{tail}{skip}")
     return _pods_bucket_verdict(account, wanted, json.loads(answers[-1]))
 
 

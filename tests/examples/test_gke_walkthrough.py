@@ -245,7 +245,9 @@ def test_the_gke_guides_run_as_written_on_a_new_strict_cluster(terminal: Termina
 
     doctor = next(o for line, o in zip(your_block, outputs, strict=True) if "doctor" in line)
     assert "FAIL" not in doctor, doctor
-    assert "RBAC: every verb the runner uses is granted" in " ".join(doctor.split())
+    checks = " ".join(doctor.split())
+    assert "RBAC: every verb the runner uses is granted" in checks
+    assert "ok Task pods' bucket access: task pods (kinetic-prefect-pods) hold" in checks
     cluster, proxy = terminal.cluster, terminal.proxy
     task_jobs = [
         (token, body)

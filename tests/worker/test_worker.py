@@ -426,14 +426,24 @@ async def _work_through(flow_run_ids: list[uuid.UUID], server: PrefectServer) ->
         return worker.kept_jobs()
 
 
+def in_process_deployment(
+    stack: Stack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pool: str, name: str
+) -> uuid.UUID:
+    """The sweep deployed to `pool` (made now), for a worker in this process in `tmp_path`."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KINETIC_JOBS_ROOT", str(tmp_path / ".kinetic"))
+    stack.server.cli("work-pool", "create", "--type", "kinetic", pool)
+    with stack.server.client() as client:
+        return deploy_sweep(client, name, pool)
+
+
 def test_the_worker_keeps_nothing_about_flow_runs_that_have_ended(
     stack: Stack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("KINETIC_JOBS_ROOT", str(tmp_path / ".kinetic"))
-    stack.server.cli("work-pool", "create", "--type", "kinetic", IN_PROCESS_POOL)
+    deployment_id = in_process_deployment(
+        stack, tmp_path, monkeypatch, IN_PROCESS_POOL, "sweep-in-process"
+    )
     with stack.server.client() as client:
-        deployment_id = deploy_sweep(client, "sweep-in-process", IN_PROCESS_POOL)
         runs = [
             client.create_flow_run_from_deployment(deployment_id, parameters=ONE_TRIAL)
             for _ in range(3)
@@ -476,11 +486,8 @@ async def _abandon_then_sync(flow_run: FlowRun, configuration: Any) -> tuple[lis
 def test_the_periodic_sync_forgets_a_flow_pod_whose_run_ended_before_the_pod(
     stack: Stack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("KINETIC_JOBS_ROOT", str(tmp_path / ".kinetic"))
-    stack.server.cli("work-pool", "create", "--type", "kinetic", PRUNE_POOL)
+    deployment_id = in_process_deployment(stack, tmp_path, monkeypatch, PRUNE_POOL, "sweep-prune")
     with stack.server.client() as client:
-        deployment_id = deploy_sweep(client, "sweep-prune", PRUNE_POOL)
         flow_run = client.create_flow_run_from_deployment(deployment_id, parameters=ONE_TRIAL)
     # A pod that ends on its own, without running the flow.
     configuration = KineticJobConfiguration(command="python -c pass")
