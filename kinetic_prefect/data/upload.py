@@ -248,12 +248,15 @@ class LocalDataHashes:
             return content, upload_local(store, content, self.workers)
 
 
-def gcs_size(uri: str) -> tuple[int, bool]:
-    """Total size of a `gs://` object or prefix, and whether it is a directory."""
+def gcs_size(uri: str, gcp_credentials: Any = None) -> tuple[int, bool]:
+    """Total size of a `gs://` object or prefix, and whether it is a directory.
+
+    Asked as `gcp_credentials` (a prefect-gcp `GcpCredentials` block), else the default.
+    """
     from kinetic_prefect.common.gcs import GcsStore, split_gs_uri
 
     bucket, key = split_gs_uri(uri)
-    store = GcsStore(f"gs://{bucket}")
+    store = GcsStore(f"gs://{bucket}", gcp_credentials=gcp_credentials)
     if uri.endswith("/") or not key:
         return sum(size for _, size in store.list(f"{key}/" if key else "")), True
     entries = [size for name, size in store.list(key) if name == key]
@@ -266,7 +269,8 @@ def describe(item: Data, store: JobsStore, hashes: LocalDataHashes) -> tuple[Dat
     """The `DataRef` a pod needs for `item` (uploading local data if the cache lacks it),
     and the bytes uploaded for it."""
     if item.is_gcs:
-        size, is_dir = gcs_size(item.path_or_uri)
+        # Asked as the jobs store acts: the orchestrator's one identity.
+        size, is_dir = gcs_size(item.path_or_uri, store.gcp_credentials)
         return DataRef(item.path_or_uri, item.path_or_uri, is_dir, None, size, item.fuse), 0
     content, uploaded = hashes.ship(store, Path(item.path_or_uri))
     single = "" if content.is_dir else content.files[0].relative

@@ -15,7 +15,7 @@ import pytest
 from prefect import flow, task
 from prefect.cache_policies import INPUTS
 
-from kinetic_prefect import KineticTaskRunner
+from kinetic_prefect import Data, KineticTaskRunner
 from kinetic_prefect.common import gcs as kgcs
 from kinetic_prefect.errors import ConfigurationError
 from kinetic_prefect.launch.preflight import check_jobs_root
@@ -32,6 +32,13 @@ BUCKET_READER = "roles/storage.legacyBucketReader"
 @task
 def cube(x: int) -> int:
     return x**3
+
+
+@task
+def file_count(folder: str) -> int:
+    import os
+
+    return len(os.listdir(folder))
 
 
 @task(cache_policy=INPUTS, persist_result=True)
@@ -173,9 +180,13 @@ def test_the_orchestrator_acts_as_the_clusters_gcp_credentials_and_pods_never_ge
     yours = [g for g in gcs.iam.grants if g.member == USER_MEMBER]
     gcs.iam.grant(dataclasses.replace(g, member=f"serviceAccount:{email}") for g in yours)
 
+    gcs.client.bucket(gcs.name).blob("inputs/a.txt").upload_from_string(b"a")
+    inputs = f"gs://{gcs.name}/inputs/"  # the flow pickles with its task: no gcs in it
+
     @flow(task_runner=KineticTaskRunner(cluster=gke, allow_loopback_api=True))
     def cubes() -> list[int]:
-        return [f.result() for f in cube.map([2, 3])]
+        files = file_count.submit(Data(inputs))
+        return [f.result() for f in cube.map([2, 3])] + [files.result()]
 
     with contextlib.ExitStack() as revoked:
         for grant in yours:
@@ -184,7 +195,7 @@ def test_the_orchestrator_acts_as_the_clusters_gcp_credentials_and_pods_never_ge
         artifacts = scanned_artifacts(cluster, gcs)
         cleanup = CliRunner().invoke(app, ["jobs", "cleanup", "--cluster", gke])
 
-    assert results == [8, 27]
+    assert results == [8, 27, 1]
     assert cleanup.exit_code == 0, cleanup.output
     assert gcs.names("kinetic/") == []
     assert object_denials(gcs) == []
