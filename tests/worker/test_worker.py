@@ -741,6 +741,32 @@ def test_flow_pod_hands_its_cluster_settings_down_to_the_flows_task_pods(prepare
     assert env["KINETIC_OUTPUT_ROOT"] == f"{workdir}/.kinetic/outputs"
 
 
+def test_the_worker_acts_as_its_clusters_gcp_credentials_and_its_flow_pod_never_gets_them(
+    prepared, workdir
+):
+    from prefect_gcp.credentials import GcpCredentials
+
+    from kinetic_prefect.blocks import KineticCluster
+    from tests.support.oauth_tokens import TokenEndpoint
+
+    flow_run, configuration = prepared
+    with TokenEndpoint({}) as endpoint:
+        key = endpoint.key("kinetic-ci@my-project.iam.gserviceaccount.com", "my-project")
+    cluster = KineticCluster(
+        backend="local",
+        jobs_bucket=str(workdir / ".kinetic"),
+        gcp_credentials=GcpCredentials(service_account_info=key),
+    )
+
+    plan = plan_flow_pod(flow_run, configuration, cluster)
+
+    # The worker's own stores and checks use the plan's settings.
+    assert plan.settings.gcp_credentials == cluster.gcp_credentials
+    shipped = json.dumps([plan.manifest, plan.backend_secrets()])
+    assert key["private_key_id"] not in shipped
+    assert key["client_email"] not in shipped
+
+
 def test_flow_pod_runs_as_the_runner_with_its_token_and_its_task_pods_keep_the_clusters_account(
     prepared, monkeypatch
 ):
