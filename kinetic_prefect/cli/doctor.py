@@ -344,7 +344,10 @@ def pods_bucket_check(cluster: Any, settings: Any) -> Check:
     from kinetic_prefect.launch.pod_secrets import split_env
     from kinetic_prefect.pod.bootstrap import IAM_ANSWER_PREFIX
 
-    wanted = pods_wanted_permissions(cluster, settings)
+    try:
+        wanted = pods_wanted_permissions(cluster, settings)
+    except (ConfigurationError, ValueError) as exc:
+        return Check(POD_CHECK, "warn", f"not run: no jobs bucket to ask about ({exc})")
     account = settings.service_account or "default"
     try:
         backend = create_backend(
@@ -385,6 +388,8 @@ def pods_bucket_check(cluster: Any, settings: Any) -> Check:
                 POD_CHECK, "fail", f"{pod} did not end in {POD_CHECK_TIMEOUT_SECONDS}s{skip}"
             )
         log = backend.logs(spec.job_id)
+    except Exception as exc:
+        return Check(POD_CHECK, "fail", f"{pod} could not run: {exc}{skip}")
     finally:
         backend.close()
     answers = [
@@ -434,5 +439,8 @@ def doctor_checks(
     if settings.backend == "gke" or accelerator:
         checks += run_sync(_cluster_checks(cluster, settings, wanted))
     if settings.backend == "gke" and pod_check:
-        checks.append(pods_bucket_check(cluster, settings))
+        if any(c.name == "Cluster access" and c.level == "fail" for c in checks):
+            checks.append(Check(POD_CHECK, "warn", "not run: no access to the cluster"))
+        else:
+            checks.append(pods_bucket_check(cluster, settings))
     return checks
