@@ -10,8 +10,8 @@ Identities. Clients in emulator mode send no token, so the proxy tells callers
 apart by the port they reach: one port per identity (`endpoint(member)`), which
 the product neither chooses nor sees. A request that carries a bearer token in
 `tokens` (issued for a service-account key, tests/support/oauth_tokens.py) acts
-as the token's member instead, whatever port it reached. The test process (the user running flows)
-reaches the user's port; a pod reaches the port of its Kubernetes service
+as the token's member instead, whatever port it reached. The test process (the
+user running flows) reaches the user's port; a pod reaches the port of its Kubernetes service
 account's Google service account, as Workload Identity gives it (the test
 kubelet puts that port in the pod's env, tests/support/pod_env.py). A
 Kubernetes service account without a Workload Identity mapping reaches a port
