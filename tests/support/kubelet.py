@@ -164,8 +164,22 @@ class Kubelet:
         self._ttl_timers: dict[str, asyncio.Task[Any]] = {}
         # Unschedulable Jobs, in creation order, until capacity frees for them.
         self._waiting: list[_Pod] = []
-        # Nodes the autoscaler is adding, by pool.
+        # Nodes the autoscaler is adding, by pool; they join once allowed (`hold_scale_ups`).
         self._scaling: dict[str, int] = {}
+        self._scale_ups_allowed: asyncio.Event | None = None
+
+    def hold_scale_ups(self) -> None:
+        """New nodes wait for `release_scale_ups` (call both on the cluster's loop)."""
+        self._allowed().clear()
+
+    def release_scale_ups(self) -> None:
+        self._allowed().set()
+
+    def _allowed(self) -> asyncio.Event:
+        if self._scale_ups_allowed is None:
+            self._scale_ups_allowed = asyncio.Event()
+            self._scale_ups_allowed.set()
+        return self._scale_ups_allowed
 
     def add_node_pool(self, pool: str, accelerator: str, nodes: int, max_nodes: int) -> None:
         """A node pool of `nodes` nodes that the autoscaler grows up to `max_nodes`."""
@@ -465,6 +479,7 @@ class Kubelet:
 
     async def _scale_up(self, node_pool: NodePool) -> None:
         """The autoscaler's new node joins, once its TriggeredScaleUp event is recorded."""
+        await self._allowed().wait()
         node = node_pool.new_node(len(self._pools()[node_pool.name]))
         self.nodes.append(node)
         self._scaling[node_pool.name] -= 1

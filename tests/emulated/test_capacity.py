@@ -1,0 +1,182 @@
+"""Pods on finite node pools: waiting for capacity queues, a pod that can never fit fails.
+
+The emulated cluster's scheduler uses nodes up (tests/support/kube_objects.py): a pod
+that does not fit stays Unschedulable until a pod ends, or until the autoscaler adds a
+node. Pods import this module to run its tasks: it imports nothing a pod lacks.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from prefect import flow, get_client, task
+from prefect.futures import wait
+
+from tests.support.kube_objects import gke_nodes
+from tests.support.waiting import wait_until
+
+pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
+
+PENDING_TIMEOUT = 4.0
+
+
+@task
+def echo(x: int) -> int:
+    return x
+
+
+@task
+def hold_until(gate: str) -> str:
+    pause = threading.Event()
+    while not Path(gate).exists():
+        pause.wait(0.05)
+    return "released"
+
+
+def _runner(gke: str, **options: object):  # type: ignore[no-untyped-def]
+    from tests.emulated.test_kubernetes_backend import _runner
+
+    return _runner(gke, **options)
+
+
+def _history(task_run_id: object) -> list[tuple[str, str]]:
+    from tests.emulated.test_kubernetes_backend import _state_messages
+
+    return _state_messages(task_run_id)
+
+
+def test_sixty_tasks_on_four_nodes_all_complete_waiting_for_capacity_past_the_pending_timeout(
+    gke, cluster
+):
+    cluster.kubelet.nodes.extend(gke_nodes("l4-pool", "l4", 4))
+    runner = _runner(
+        gke, accelerator="l4", pending_timeout_seconds=PENDING_TIMEOUT, warm_pods=False
+    )
+
+    @flow(task_runner=runner)
+    def sweep() -> tuple[list[int], list[object]]:
+        futures = echo.map(range(60))
+        return [f.result() for f in futures], [f.task_run_id for f in futures]
+
+    started = time.monotonic()
+    results, task_run_ids = sweep()
+    took = time.monotonic() - started
+
+    assert results == list(range(60))
+    assert took > PENDING_TIMEOUT * 2  # the later pods waited well past the pending timeout
+    assert cluster.kubelet.most_bound["l4-pool"] == 4
+    assert len(cluster.created_jobs()) == 60  # one pod each: none failed to start, none retried
+    with get_client(sync_client=True) as client:
+        runs = [client.read_task_run(i) for i in task_run_ids]  # type: ignore[arg-type]
+    assert {r.run_count for r in runs} == {1}
+    waited = [m for i in task_run_ids for kind, m in _history(i) if kind == "PENDING"]
+    assert any(
+        " is waiting for capacity: 4/4 l4 nodes busy (Insufficient nvidia.com/gpu" in m
+        for m in waited
+    )
+    assert _pod_event_reads(cluster) == 0  # the scheduler's message alone says it waits
+
+
+def test_a_pod_asking_for_an_accelerator_no_node_pool_has_fails_within_the_pending_timeout(
+    gke, cluster
+):
+    from tests.emulated.test_kubernetes_backend import _failed_run
+
+    cluster.kubelet.nodes.extend(gke_nodes("l4-pool", "l4", 4))
+    runner = _runner(gke, accelerator="tpu-v5e-4", pending_timeout_seconds=PENDING_TIMEOUT)
+
+    started = time.monotonic()
+    state, message, _ = _failed_run(runner, echo)
+
+    assert state == "FAILED"
+    assert "didn't match Pod's node affinity/selector" in message
+    assert "accelerator tpu-v5e-4 needs a node with" in message
+    assert f"longer than pending_timeout_seconds={PENDING_TIMEOUT:g}" in message
+    assert time.monotonic() - started < PENDING_TIMEOUT + 15
+    wait_until(lambda: cluster.jobs() == [], 30, "the Job to be deleted")
+
+
+def test_a_pod_waiting_for_capacity_past_queue_timeout_fails_naming_the_setting(
+    gke, cluster, workdir
+):
+    from tests.emulated.test_kubernetes_backend import alongside
+
+    cluster.kubelet.nodes.extend(gke_nodes("l4-pool", "l4", 1))
+    gate = workdir / "gate"
+    runner = _runner(
+        gke, accelerator="l4", pending_timeout_seconds=PENDING_TIMEOUT, queue_timeout_seconds=8
+    )
+
+    @flow(task_runner=runner)
+    def two(gate: str) -> list[tuple[str, str, object]]:
+        futures = [hold_until.submit(gate), hold_until.submit(gate)]
+        wait(futures)
+        return [(f.state.type.value, f.state.message or "", f.task_run_id) for f in futures]
+
+    def open_the_gate_once_one_gave_up() -> None:
+        wait_until(
+            lambda: len(cluster.created_jobs()) == 2 and len(cluster.jobs()) == 1,
+            60,
+            "the waiting pod's Job to be deleted",
+        )
+        gate.touch()
+
+    with alongside(open_the_gate_once_one_gave_up):
+        outcomes = sorted(two(str(gate)))
+
+    (completed, _, _), (failed, message, queued_id) = outcomes
+    assert (completed, failed) == ("COMPLETED", "FAILED")
+    assert "waited 8s for capacity, longer than queue_timeout_seconds=8" in message
+    assert "1/1 l4 nodes busy (Insufficient nvidia.com/gpu)" in message
+    pending = [m for kind, m in _history(queued_id) if kind == "PENDING"]
+    assert any(" is waiting for capacity: 1/1 l4 nodes busy" in m for m in pending)
+
+
+def _pod_event_reads(cluster) -> int:  # type: ignore[no-untyped-def]
+    return sum(
+        r.resource is not None
+        and r.resource.plural == "events"
+        and "involvedObject.kind=Pod" in str(r.params.get("fieldSelector"))
+        for r in cluster.client_requests()
+    )
+
+
+def test_a_pod_waits_past_the_pending_timeout_while_the_autoscaler_adds_a_node(gke, cluster):
+    from tests.emulated.test_kubernetes_backend import alongside
+
+    cluster.kubelet.add_node_pool("l4-autoscaled", "l4", nodes=0, max_nodes=2)
+    cluster.call(cluster.kubelet.hold_scale_ups)
+    runner = _runner(gke, accelerator="l4", pending_timeout_seconds=PENDING_TIMEOUT)
+
+    @flow(task_runner=runner)
+    def two() -> list[tuple[int, object]]:
+        return [(f.result(), f.task_run_id) for f in echo.map([1, 2])]
+
+    def add_the_nodes_past_the_pending_timeout() -> None:
+        wait_until(lambda: len(cluster.created_jobs()) == 2, 60, "both Jobs")
+        created = time.monotonic()
+        wait_until(
+            lambda: (
+                _pod_event_reads(cluster) == 2 and time.monotonic() - created > 2 * PENDING_TIMEOUT
+            ),
+            60,
+            "both pods' events read, and their pending timeout long past",
+        )
+        cluster.call(cluster.kubelet.release_scale_ups)
+
+    with alongside(add_the_nodes_past_the_pending_timeout):
+        (one, first_id), (two_, _) = two()
+
+    assert (one, two_) == (1, 2)
+    said = [m for kind, m in _history(first_id) if kind == "PENDING"]
+    assert any(
+        "is waiting for capacity: the cluster autoscaler is adding a node" in m for m in said
+    )
+    assert [n.name for n in cluster.kubelet.nodes if n.pool == "l4-autoscaled"] == [
+        "gke-l4-autoscaled-0",
+        "gke-l4-autoscaled-1",
+    ]
+    assert _pod_event_reads(cluster) == 2  # one read each, once pending a probe interval
