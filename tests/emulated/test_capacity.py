@@ -48,6 +48,7 @@ def _history(task_run_id: object) -> list[tuple[str, str]]:
     return _state_messages(task_run_id)
 
 
+@pytest.mark.slow
 def test_sixty_tasks_on_four_nodes_all_complete_waiting_for_capacity_past_the_pending_timeout(
     gke, cluster
 ):
@@ -94,6 +95,10 @@ def test_a_pod_asking_for_an_accelerator_no_node_pool_has_fails_within_the_pendi
     assert state == "FAILED"
     assert "didn't match Pod's node affinity/selector" in message
     assert "accelerator tpu-v5e-4 needs a node with" in message
+    assert (
+        "(cluster autoscaler: pod didn't trigger scale-up (it wouldn't fit if a new node is "
+        "added): 1 node(s) didn't match Pod's node affinity/selector)"
+    ) in message
     assert f"longer than pending_timeout_seconds={PENDING_TIMEOUT:g}" in message
     assert time.monotonic() - started < PENDING_TIMEOUT + 15
     wait_until(lambda: cluster.jobs() == [], 30, "the Job to be deleted")
