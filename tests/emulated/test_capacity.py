@@ -7,14 +7,13 @@ node. Pods import this module to run its tasks: it imports nothing a pod lacks.
 
 from __future__ import annotations
 
-import threading
 import time
-from pathlib import Path
 
 import pytest
 from prefect import flow, get_client, task
 from prefect.futures import wait
 
+from tests.runner.test_task_runner import wait_for_gate
 from tests.support.kube_objects import gke_nodes
 from tests.support.waiting import wait_until
 
@@ -26,14 +25,6 @@ PENDING_TIMEOUT = 4.0
 @task
 def echo(x: int) -> int:
     return x
-
-
-@task
-def hold_until(gate: str) -> str:
-    pause = threading.Event()
-    while not Path(gate).exists():
-        pause.wait(0.05)
-    return "released"
 
 
 def _runner(gke: str, **options: object):  # type: ignore[no-untyped-def]
@@ -117,7 +108,7 @@ def test_a_pod_waiting_for_capacity_past_queue_timeout_fails_naming_the_setting(
 
     @flow(task_runner=runner)
     def two(gate: str) -> list[tuple[str, str, object]]:
-        futures = [hold_until.submit(gate), hold_until.submit(gate)]
+        futures = [wait_for_gate.submit(gate), wait_for_gate.submit(gate)]
         wait(futures)
         return [(f.state.type.value, f.state.message or "", f.task_run_id) for f in futures]
 

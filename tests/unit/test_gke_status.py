@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from kinetic_prefect.backends.gke.status import pending
 from kinetic_prefect.launch.manifest import build_job_manifest
 from tests.support.kube_objects import (
@@ -31,8 +33,9 @@ def _job(accelerator: str) -> dict[str, Any]:
     return job
 
 
-def _unschedulable_pod(job: dict[str, Any], message: str) -> dict[str, Any]:
+def _unschedulable_pod(job: dict[str, Any], message: str | None) -> dict[str, Any]:
     pod = pod_of_job(job, f"{job['metadata']['name']}-x7k2p", job["metadata"]["namespace"])
+    assert message is not None
     pod["status"] = unschedulable_status(message)
     return pod
 
@@ -60,29 +63,25 @@ def test_a_pod_behind_busy_nodes_of_its_kind_waits_for_capacity():
     )
 
 
-def test_a_pod_no_node_pool_matches_can_never_be_scheduled():
-    job = _job("tpu-v5e-4")
-    message = unschedulable_message(gke_nodes("l4", "l4", 3), job["spec"]["template"]["spec"])
-    pod = _unschedulable_pod(job, message or "")
+@pytest.mark.parametrize(
+    ("accelerator", "nodes", "scheduler_says"),
+    [
+        # No node pool has the accelerator.
+        ("tpu-v5e-4", gke_nodes("l4", "l4", 3), "3 node(s) didn't match Pod's node affinity"),
+        # Nodes with four L4 GPUs each: eight never fit, however long the pod waits.
+        ("l4x8", gke_nodes("l4x4", "l4x4", 2), "2 Insufficient nvidia.com/gpu"),
+    ],
+)
+def test_a_pod_no_node_can_ever_hold_is_never_scheduled(accelerator, nodes, scheduler_says):
+    job = _job(accelerator)
+    pod = _unschedulable_pod(job, unschedulable_message(nodes, job["spec"]["template"]["spec"]))
 
     never = pending(pod, job)
 
     assert never is not None and not never.waits_for_capacity
-    assert "3 node(s) didn't match Pod's node affinity/selector" in never.reason
-    assert "accelerator tpu-v5e-4 needs a node with" in never.reason
-
-
-def test_a_pod_larger_than_any_node_can_never_be_scheduled():
-    # Nodes with four L4 GPUs each: eight never fit, however long the pod waits.
-    job = _job("l4x8")
-    message = unschedulable_message(gke_nodes("l4x4", "l4x4", 2), job["spec"]["template"]["spec"])
-    pod = _unschedulable_pod(job, message or "")
-
-    never = pending(pod, job)
-
-    assert never is not None and not never.waits_for_capacity
-    assert "2 Insufficient nvidia.com/gpu" in never.reason
-    assert "2 Preemption is not helpful for scheduling" in never.reason
+    assert scheduler_says in never.reason
+    assert f"{len(nodes)} Preemption is not helpful for scheduling" in never.reason
+    assert f"accelerator {accelerator} needs a node with" in never.reason
 
 
 def test_a_node_pool_growing_from_zero_nodes_makes_an_unmatched_pod_wait():
