@@ -713,6 +713,16 @@ def test_flow_pod_hands_its_credentials_bound_down_to_the_flows_task_pods(prepar
     assert env["KINETIC_CREDENTIALS_DENIED_TIMEOUT_SECONDS"] == "600.0"
 
 
+def test_flow_pod_hands_its_queue_timeout_down_to_the_flows_task_pods(prepared, monkeypatch):
+    flow_run, configuration = prepared
+    monkeypatch.setenv("KINETIC_QUEUE_TIMEOUT_SECONDS", "1800")
+
+    manifest = plan_flow_pod(flow_run, configuration).manifest
+
+    env = {item["name"]: item.get("value") for item in container_of(manifest)["env"]}
+    assert env["KINETIC_QUEUE_TIMEOUT_SECONDS"] == "1800.0"
+
+
 def test_a_gke_flow_pod_reads_its_record_key_from_its_pools_secret(prepared):
     flow_run, configuration = prepared
 
