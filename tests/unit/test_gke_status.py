@@ -11,12 +11,13 @@ from typing import Any
 import pytest
 
 from kinetic_prefect.backends.gke.status import pending
-from kinetic_prefect.launch.manifest import build_job_manifest
+from kinetic_prefect.launch.slices import build_workload
 from tests.support.kube_objects import (
     Node,
     NodePool,
     event,
     gke_nodes,
+    place,
     pod_of_job,
     pod_requests,
     scale_up_refused,
@@ -28,7 +29,7 @@ from tests.unit.test_manifest import _spec
 
 
 def _job(accelerator: str) -> dict[str, Any]:
-    job = build_job_manifest(_spec(accelerator))
+    job = build_workload(_spec(accelerator)).job
     job["metadata"]["uid"] = "5e1b6f0c-3f0a-4f0e-9a57-0c1d2e3f4a5b"
     return job
 
@@ -148,3 +149,22 @@ def test_a_message_without_the_preemption_verdict_takes_insufficient_nodes_for_b
 
     assert waiting is not None and waiting.waits_for_capacity
     assert "3/3 l4 nodes busy (Insufficient nvidia.com/gpu)" in waiting.reason
+
+
+def test_a_slice_behind_a_slice_holding_its_pool_waits_and_one_split_over_pools_never_fits():
+    job = _job("tpu-v5e-16")
+    spec = job["spec"]["template"]["spec"]
+    whole = gke_nodes("v5e-16", "tpu-v5e-16", 4)
+    split = [*gke_nodes("pool-a", "tpu-v5e-16", 2), *gke_nodes("pool-b", "tpu-v5e-16", 2)]
+    holder = place(whole, spec, 4)
+    assert isinstance(holder, list)
+    for node in holder:
+        node.bind(pod_requests(spec))
+
+    behind = pending(_unschedulable_pod(job, str(place(whole, spec, 4))), job)
+    never = pending(_unschedulable_pod(job, str(place(split, spec, 4))), job)
+
+    assert behind is not None and behind.waits_for_capacity
+    assert "4/4 tpu-v5e-16 nodes busy (Insufficient google.com/tpu)" in behind.reason
+    assert never is not None and not never.waits_for_capacity
+    assert "didn't match pod affinity rules" in never.reason
