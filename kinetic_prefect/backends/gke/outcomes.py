@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import Callable, Mapping
 
@@ -216,9 +217,12 @@ class OutcomeTracker:
             moments.append(deadline)
             if job.pod is None or job.unschedulable:
                 if now >= job.next_probe:
-                    job.next_probe = now + EVENTS_PROBE_INTERVAL
+                    # A pod's events are read once here and once more before it fails.
+                    again = EVENTS_PROBE_INTERVAL if job.pod is None else math.inf
+                    job.next_probe = now + again
                     self._probe_events(job)
-                moments.append(job.next_probe)
+                if job.next_probe < math.inf:
+                    moments.append(job.next_probe)
         return min(moments) if moments else None
 
     def _queue_timeout_reason(self, job: TrackedJob, waited: float) -> str:
