@@ -113,12 +113,14 @@ def test_a_pod_waiting_for_capacity_past_queue_timeout_fails_naming_the_setting(
         return [(f.state.type.value, f.state.message or "", f.task_run_id) for f in futures]
 
     def open_the_gate_once_one_gave_up() -> None:
-        wait_until(
-            lambda: len(cluster.created_jobs()) == 2 and len(cluster.jobs()) == 1,
-            60,
-            "the waiting pod's Job to be deleted",
-        )
-        gate.touch()
+        try:
+            wait_until(
+                lambda: len(cluster.created_jobs()) == 2 and len(cluster.jobs()) == 1,
+                60,
+                "the waiting pod's Job to be deleted",
+            )
+        finally:  # the holder ends either way
+            gate.touch()
 
     with alongside(open_the_gate_once_one_gave_up):
         outcomes = sorted(two(str(gate)))
