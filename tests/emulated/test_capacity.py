@@ -7,15 +7,17 @@ node. Pods import this module to run its tasks: it imports nothing a pod lacks.
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
 from prefect import flow, get_client, task
 from prefect.futures import wait
 
+from kinetic_prefect import resources
 from tests.runner.test_task_runner import wait_for_gate
 from tests.support.kube_objects import gke_nodes
-from tests.support.waiting import wait_until
+from tests.support.waiting import wait_for_task_run_state, wait_until
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
 
@@ -131,6 +133,48 @@ def test_a_pod_waiting_for_capacity_past_queue_timeout_fails_naming_the_setting(
     assert "1/1 l4 nodes busy (Insufficient nvidia.com/gpu)" in message
     pending = [m for kind, m in _history(queued_id) if kind == "PENDING"]
     assert any(" is waiting for capacity: 1/1 l4 nodes busy" in m for m in pending)
+
+
+def test_a_pod_that_waited_for_capacity_still_gets_the_whole_pending_timeout_to_start(
+    gke, cluster, workdir
+):
+    from tests.emulated.test_kubernetes_backend import MISSING_IMAGE, alongside
+
+    cluster.kubelet.nodes.extend(gke_nodes("l4-pool", "l4", 1))
+    cluster.kubelet.missing_images.add(MISSING_IMAGE)
+    gate = workdir / "gate"
+    runner = _runner(gke, accelerator="l4", pending_timeout_seconds=PENDING_TIMEOUT)
+
+    @flow(task_runner=runner)
+    def two(gate: str) -> tuple[str, str]:
+        holder = wait_for_gate.submit(gate)
+        wait_for_task_run_state(holder.task_run_id, "RUNNING", 120)
+        with resources(container_image=MISSING_IMAGE):
+            stuck = echo.submit(1)
+        wait([holder, stuck])
+        return stuck.state.type.value, stuck.state.message or ""
+
+    def open_the_gate_once_the_second_waited_past_the_pending_timeout() -> None:
+        try:
+            wait_until(lambda: len(cluster.created_jobs()) == 2, 60, "the second Job")
+            queued = time.monotonic()
+            wait_until(
+                lambda: (
+                    time.monotonic() - queued > 2 * PENDING_TIMEOUT and len(cluster.jobs()) == 2
+                ),
+                60,
+                "the second pod queued past its pending timeout",
+            )
+        finally:
+            gate.touch()
+
+    with alongside(open_the_gate_once_the_second_waited_past_the_pending_timeout):
+        state, message = two(str(gate))
+
+    waited = re.search(r"pending for (\d+)s", message)
+    assert state == "FAILED"
+    assert waited is not None and PENDING_TIMEOUT <= int(waited.group(1)) < 2 * PENDING_TIMEOUT
+    assert f"cannot pull image {MISSING_IMAGE}" in message
 
 
 def _pod_event_reads(cluster) -> int:  # type: ignore[no-untyped-def]
