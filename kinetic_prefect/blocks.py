@@ -151,7 +151,14 @@ class KineticCluster(Block):
     max_parallel: int | None = Field(default=None, description="Pods running at once.")
     timeout_seconds: int | None = Field(default=None, description="Default pod deadline.")
     pending_timeout_seconds: float | None = Field(
-        default=None, description="Fail a pod that cannot start within this many seconds."
+        default=None,
+        description="Fail a pod that can never be scheduled or cannot pull its image within "
+        "this many seconds (time spent waiting for busy nodes does not count).",
+    )
+    queue_timeout_seconds: float | None = Field(
+        default=None,
+        description="Fail a pod that waits this long for capacity (nodes of its kind busy, or "
+        "being added); unset: wait as long as it takes.",
     )
     warm_pods: bool | None = Field(
         default=None,
@@ -243,6 +250,7 @@ def cluster_settings(cluster: KineticCluster) -> dict[str, Any]:
         "max_parallel": cluster.max_parallel,
         "timeout_seconds": cluster.timeout_seconds,
         "pending_timeout_seconds": cluster.pending_timeout_seconds,
+        "queue_timeout_seconds": cluster.queue_timeout_seconds,
         "warm_pods": cluster.warm_pods,
         "warm_pod_idle_seconds": cluster.warm_pod_idle_seconds,
         "environment": cluster.environment,

@@ -33,6 +33,7 @@ def create_backend(settings: LaunchSettings, jobs_root: str, cluster: Any = None
             gcp_credentials=settings.gcp_credentials,
             max_parallel=settings.max_parallel,
             pending_timeout_seconds=settings.pending_timeout_seconds,
+            queue_timeout_seconds=settings.queue_timeout_seconds,
             cancel_grace_seconds=settings.cancel_grace_seconds,
             kube_context=settings.kube_context,
             credentials_denied_timeout_seconds=settings.credentials_denied_timeout_seconds,

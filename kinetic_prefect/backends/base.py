@@ -59,6 +59,16 @@ class FoundPod:
 OnExit = Callable[[PodExit], None]
 # Called with a human-readable reason while a pod waits to start (or None once it runs).
 OnPending = Callable[[str], None]
+# How the reason of a pod queued for capacity that exists begins (busy nodes, a node on
+# its way), as opposed to one that is pending for another reason.
+WAITING_FOR_CAPACITY = "waiting for capacity"
+
+
+def pending_message(job_id: str, reason: str) -> str:
+    """A waiting pod's message: "Pod X is waiting for capacity: …" or "Pod X is pending: …"."""
+    if reason.startswith(WAITING_FOR_CAPACITY):
+        return f"Pod {job_id} is {reason}"
+    return f"Pod {job_id} is pending: {reason}"
 
 
 class Backend(Protocol):

@@ -56,7 +56,11 @@ class LaunchSettings:
     service_account: str | None = None
     ttl_seconds_after_finished: int = 3600
     cancel_grace_seconds: float = 10.0
+    # A pod that can never be scheduled (or cannot pull its image) fails after this long;
+    # time spent waiting for capacity that exists does not count (docs/kubernetes.md).
     pending_timeout_seconds: float = 600.0
+    # How long a pod may wait for capacity (busy nodes, a node being added); None: forever.
+    queue_timeout_seconds: float | None = None
     # gke: how long the cluster may refuse the credentials to watch a job's pod (401/403,
     # re-read meanwhile) before the job fails (docs/kubernetes.md).
     credentials_denied_timeout_seconds: float = 120.0
@@ -147,6 +151,7 @@ _ENV_PARSERS: dict[str, Any] = {
     "ttl_seconds_after_finished": int,
     "cancel_grace_seconds": float,
     "pending_timeout_seconds": float,
+    "queue_timeout_seconds": float,
     "credentials_denied_timeout_seconds": float,
     "allow_loopback_api": lambda v: _parse_bool("KINETIC_ALLOW_LOOPBACK_API", v),
     "kube_context": str,
@@ -312,6 +317,13 @@ def _validate(settings: LaunchSettings) -> None:
         raise ConfigurationError("max_parallel must be at least 1.")
     if settings.timeout_seconds is not None and settings.timeout_seconds < 1:
         raise ConfigurationError("timeout_seconds must be a positive number of seconds.")
+    if settings.pending_timeout_seconds <= 0:
+        raise ConfigurationError("pending_timeout_seconds must be a positive number of seconds.")
+    if settings.queue_timeout_seconds is not None and settings.queue_timeout_seconds <= 0:
+        raise ConfigurationError(
+            "queue_timeout_seconds must be a positive number of seconds, or None to wait for "
+            "capacity as long as it takes."
+        )
     if settings.warm_pod_idle_seconds <= 0:
         raise ConfigurationError(
             "warm_pod_idle_seconds must be a positive number of seconds (how long an idle "

@@ -36,7 +36,7 @@ from typing import Any
 from prefect.logging import get_logger
 from prefect.states import Cancelled, Failed, Pending, State
 
-from kinetic_prefect.backends.base import Backend, PodExit
+from kinetic_prefect.backends.base import Backend, PodExit, pending_message
 from kinetic_prefect.backends.environments import ready_environment
 from kinetic_prefect.common import layout, versions
 from kinetic_prefect.common.env import ATTEMPT_ENV, CLIENT_VERSIONS_ENV, SIGNING_KEY_ENV
@@ -287,7 +287,7 @@ class Launcher:
         if launch.future.done():
             return
         prefect_bridge.report_state(
-            launch.task_run, Pending(message=f"Pod {launch.job_id} is pending: {reason}")
+            launch.task_run, Pending(message=pending_message(launch.job_id, reason))
         )
 
     # -- how an attempt ends (the backend's watcher thread) -----------------------

@@ -91,6 +91,7 @@ INHERITED_SETTINGS = (
     "ttl_seconds_after_finished",
     "cancel_grace_seconds",
     "pending_timeout_seconds",
+    "queue_timeout_seconds",
     "credentials_denied_timeout_seconds",
     "allow_loopback_api",
     # Where the environments the flow pod's runner ships to its task pods are kept and built.

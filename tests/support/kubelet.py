@@ -51,13 +51,20 @@ from kinetic_prefect.launch.environment import cache_dir
 from kinetic_prefect.launch.slices import hosts_of
 from tests.support.kube_emulator import JOBS, ClusterEmulator
 from tests.support.kube_objects import (
+    MAX_SIZE_REACHED,
     Node,
+    NodePool,
+    event,
     failed_create_event,
     finished_job_status,
     place,
     pod_of_job,
+    pod_requests,
+    pool_verdict,
     quota_refusal,
     running_status,
+    scale_up_refused,
+    scale_up_triggered,
     terminated_status,
     unschedulable_message,
     unschedulable_status,
@@ -125,7 +132,13 @@ class Kubelet:
         self.workspace = workspace
         # Exceptions of the kubelet's own tasks: a broken kubelet must fail the test.
         self.errors: list[BaseException] = []
-        self.nodes = [Node()]
+        # The default cluster: one node every pod shares. A test that sets finite nodes
+        # (`gke_nodes`) gets a scheduler that uses them up, and `node_pools` the
+        # autoscaler may grow.
+        self.nodes = [Node(unlimited=True)]
+        self.node_pools: dict[str, NodePool] = {}
+        # The most pods bound to a node pool's nodes at once, by pool.
+        self.most_bound: dict[str, int] = {}
         self.missing_images: set[str] = set()
         self.quota_exceeded = False
         # The IAM proxy that stands for GCS on this cluster's network (tests/support/pod_env.py),
@@ -149,16 +162,30 @@ class Kubelet:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._ttl_timers: dict[str, asyncio.Task[Any]] = {}
+        # Unschedulable Jobs, in creation order, until capacity frees for them.
+        self._waiting: list[_Pod] = []
+        # Nodes the autoscaler is adding, by pool; they join once allowed (`hold_scale_ups`).
+        self._scaling: dict[str, int] = {}
+        self._scale_ups_allowed: asyncio.Event | None = None
 
-    def _busy_pools(self) -> set[str]:
-        """Node pools a running slice holds: another slice's anti-affinity keeps out of them."""
-        return {
-            node.pool
-            for pod in self._pods.values()
-            if len(pod.names) > 1
-            for node in pod.nodes
-            if node.pool
-        }
+    def hold_scale_ups(self) -> None:
+        """New nodes wait for `release_scale_ups` (call both on the cluster's loop)."""
+        self._allowed().clear()
+
+    def release_scale_ups(self) -> None:
+        self._allowed().set()
+
+    def _allowed(self) -> asyncio.Event:
+        if self._scale_ups_allowed is None:
+            self._scale_ups_allowed = asyncio.Event()
+            self._scale_ups_allowed.set()
+        return self._scale_ups_allowed
+
+    def add_node_pool(self, pool: str, accelerator: str, nodes: int, max_nodes: int) -> None:
+        """A node pool of `nodes` nodes that the autoscaler grows up to `max_nodes`."""
+        node_pool = NodePool(pool, accelerator, max_nodes)
+        self.node_pools[pool] = node_pool
+        self.nodes.extend(node_pool.new_node(index) for index in range(nodes))
 
     def bound_nodes(self, job_name: str) -> list[Node]:
         """The nodes the scheduler bound a Job's pods to (empty once it ended)."""
@@ -287,7 +314,9 @@ class Kubelet:
             return quota_refusal(pod.name)
         slice_hosts = len(pod.names) if len(pod.names) > 1 else None
         spec = pod.job["spec"]["template"]["spec"]
-        pod.placement = place(self.nodes, spec, len(pod.names), self._busy_pools())
+        pod.placement = place(self.nodes, spec, len(pod.names))
+        if isinstance(pod.placement, list):
+            self._bind(pod, pod.placement)
         for index, name in enumerate(pod.names):
             node = pod.placement[index].name if isinstance(pod.placement, list) else None
             body = pod_of_job(pod.job, name, pod.namespace, index if slice_hosts else None, node)
@@ -295,6 +324,7 @@ class Kubelet:
             assert self._session is not None
             async with self._session.post(path, json=body) as response:
                 if response.status == 403:
+                    self._unbind(pod)
                     return str((await response.json()).get("message"))
                 if response.status >= 300:
                     raise RuntimeError(f"POST {path}: {response.status} {await response.text()}")
@@ -309,13 +339,10 @@ class Kubelet:
         if isinstance(placed, str):
             # One pod per node: the pods past the nodes that fit stay unschedulable.
             fit = sum(unschedulable_message([n], template["spec"]) is None for n in self.nodes)
-            await self._pod_status(
-                pod,
-                unschedulable_status(placed),
-                pod.names[min(fit, len(pod.names) - 1) :],
-            )
+            pending = pod.names[min(fit, len(pod.names) - 1) :]
+            await self._pod_status(pod, unschedulable_status(placed), pending)
+            await self._wait_for_capacity(pod, placed, pending[0])
             return
-        pod.nodes = placed
         image = template["spec"]["containers"][0]["image"]
         if image in self.missing_images:
             for reason, message in (
@@ -375,6 +402,98 @@ class Kubelet:
             lambda name: self.emulator.find("secrets", pod.namespace, name), pod.namespace, pod_spec
         )
 
+    # -- capacity: binding, waiting, scaling up ------------------------------------------
+
+    def _bind(self, pod: _Pod, nodes: list[Node]) -> None:
+        requests = pod_requests(pod.job["spec"]["template"]["spec"])
+        for node in nodes:
+            node.bind(requests)
+        pod.nodes = list(nodes)
+        for pool in {node.pool or "" for node in nodes}:
+            bound = sum((n.pool or "") == pool for p in self._pods.values() for n in p.nodes[:1])
+            self.most_bound[pool] = max(self.most_bound.get(pool, 0), bound)
+
+    def _unbind(self, pod: _Pod) -> None:
+        """The Job's pods ended or went away: their nodes take the next waiting pods."""
+        if not pod.nodes:
+            return
+        requests = pod_requests(pod.job["spec"]["template"]["spec"])
+        for node in pod.nodes:
+            node.release(requests)
+        pod.nodes = []
+        self._schedule_waiting()
+
+    def _schedule_waiting(self) -> None:
+        """Bind the waiting Jobs that fit now, in creation order (no await: no one jumps in)."""
+        for pod in list(self._waiting):
+            placed = place(self.nodes, pod.job["spec"]["template"]["spec"], len(pod.names))
+            if isinstance(placed, list):
+                self._waiting.remove(pod)
+                pod.placement = placed
+                self._bind(pod, placed)
+                self._spawn(self._start_bound(pod))
+
+    async def _start_bound(self, pod: _Pod) -> None:
+        async with pod.lock:
+            if pod.terminating:
+                return
+            assert isinstance(pod.placement, list)
+            for name, node in zip(pod.names, pod.placement, strict=True):
+                path = self._pod_path(pod, name=name)
+                await self._request("PATCH", path, {"spec": {"nodeName": node.name}})
+            await self._run(pod)
+
+    async def _wait_for_capacity(self, pod: _Pod, message: str, pod_name: str) -> None:
+        """Record what the scheduler and autoscaler say, queue the Job, and maybe grow a pool."""
+        self._waiting.append(pod)
+        found = self.emulator.find("pods", pod.namespace, pod_name)
+        if found is None:
+            return
+        spec = pod.job["spec"]["template"]["spec"]
+        await self._event(found, "FailedScheduling", message, "default-scheduler", "Warning")
+        verdicts: list[str] = []
+        for name, members in self._pools().items():
+            node_pool = self.node_pools.get(name)
+            size = len(members) + self._scaling.get(name, 0)
+            template = node_pool.new_node(size) if node_pool else members[0]
+            most = node_pool.max_nodes if node_pool else len(members)
+            verdict = pool_verdict(template, spec, size, most if len(pod.names) == 1 else 0)
+            if verdict is None and node_pool is not None:
+                self._scaling[name] = self._scaling.get(name, 0) + 1
+                grows = scale_up_triggered(node_pool, size)
+                await self._event(found, "TriggeredScaleUp", grows, "cluster-autoscaler")
+                self._spawn(self._scale_up(node_pool))
+                return
+            verdicts.append(verdict or MAX_SIZE_REACHED)
+        if verdicts:
+            refused = scale_up_refused(verdicts)
+            await self._event(found, "NotTriggerScaleUp", refused, "cluster-autoscaler")
+
+    def _pools(self) -> dict[str, list[Node]]:
+        """The node pools (the autoscaler's node groups) and their nodes."""
+        pools: dict[str, list[Node]] = {name: [] for name in self.node_pools}
+        for node in self.nodes:
+            if node.pool:
+                pools.setdefault(node.pool, []).append(node)
+        return pools
+
+    async def _scale_up(self, node_pool: NodePool) -> None:
+        """The autoscaler's new node joins, once its TriggeredScaleUp event is recorded."""
+        await self._allowed().wait()
+        node = node_pool.new_node(len(self._pools()[node_pool.name]))
+        self.nodes.append(node)
+        self._scaling[node_pool.name] -= 1
+        await self._request("POST", "/api/v1/nodes", node.as_object())
+        self._schedule_waiting()
+
+    async def _event(
+        self, about: dict[str, Any], reason: str, message: str, component: str, kind: str = "Normal"
+    ) -> None:
+        name = f"{about['metadata']['name']}.{secrets.token_hex(4)}"
+        body = event(about, name, reason, message, component, kind)
+        path = f"/api/v1/namespaces/{about['metadata']['namespace']}/events"
+        await self._request("POST", path, body)
+
     async def _failed_create(self, pod: _Pod, refusal: str) -> None:
         event_name = f"{pod.job['metadata']['name']}.{secrets.token_hex(4)}"
         event = failed_create_event(pod.job, event_name, refusal)
@@ -406,7 +525,7 @@ class Kubelet:
         image = pod.job["spec"]["template"]["spec"]["containers"][0]["image"]
         job_name = pod.job["metadata"]["name"]
         self.finished_at[job_name] = time.time()
-        pod.nodes = []
+        self._unbind(pod)
         codes = self.local.host_exit_codes(job_name) if len(pod.names) > 1 else []
         if len(codes) == len(pod.names):
             for name, code in zip(pod.names, codes, strict=True):
@@ -498,7 +617,9 @@ class Kubelet:
             await self._remove(pod)
 
     async def _remove(self, pod: _Pod) -> None:
-        pod.nodes = []
+        if pod in self._waiting:
+            self._waiting.remove(pod)
+        self._unbind(pod)
         for name in pod.names:
             self.emulator.finished_logs.add((pod.namespace, name))
             await self._request("DELETE", self._pod_path(pod, name=name))

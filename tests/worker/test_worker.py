@@ -782,14 +782,17 @@ def test_flow_pod_runs_as_the_runner_with_its_token_and_its_task_pods_keep_the_c
     assert env["KINETIC_SERVICE_ACCOUNT"] == "kinetic-prefect-pods"
 
 
-def test_flow_pod_hands_its_credentials_bound_down_to_the_flows_task_pods(prepared, monkeypatch):
+@pytest.mark.parametrize(
+    "variable", ["KINETIC_CREDENTIALS_DENIED_TIMEOUT_SECONDS", "KINETIC_QUEUE_TIMEOUT_SECONDS"]
+)
+def test_flow_pod_hands_its_timeouts_down_to_the_flows_task_pods(prepared, monkeypatch, variable):
     flow_run, configuration = prepared
-    monkeypatch.setenv("KINETIC_CREDENTIALS_DENIED_TIMEOUT_SECONDS", "600")
+    monkeypatch.setenv(variable, "600")
 
     manifest = plan_flow_pod(flow_run, configuration).manifest
 
     env = {item["name"]: item.get("value") for item in container_of(manifest)["env"]}
-    assert env["KINETIC_CREDENTIALS_DENIED_TIMEOUT_SECONDS"] == "600.0"
+    assert env[variable] == "600.0"
 
 
 def test_a_gke_flow_pod_reads_its_record_key_from_its_pools_secret(prepared):

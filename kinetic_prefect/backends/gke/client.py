@@ -419,12 +419,15 @@ async def list_nodes(access: ClusterAccess) -> list[dict[str, Any]]:
     return list(listing.get("items") or [])
 
 
-async def job_events(core: Any, namespace: str, job_name: str) -> list[dict[str, Any]]:
-    """The events Kubernetes recorded about one Job (FailedCreate says why it has no pod)."""
+async def job_events(
+    core: Any, namespace: str, name: str, kind: str = "Job"
+) -> list[dict[str, Any]]:
+    """The events Kubernetes recorded about one Job (FailedCreate says why it has no pod), or
+    about one object of another `kind` (a Pod: the cluster autoscaler's scale-up verdicts)."""
     listing = await read_json(
         await core.list_namespaced_event(
             namespace,
-            field_selector=f"involvedObject.kind=Job,involvedObject.name={job_name}",
+            field_selector=f"involvedObject.kind={kind},involvedObject.name={name}",
             _preload_content=False,
         )
     )

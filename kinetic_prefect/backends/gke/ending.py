@@ -35,6 +35,7 @@ from kinetic_prefect.backends.gke.status import (
     failed_create_reason,
     infrastructure_took,
     lasting_failed_create,
+    pending,
 )
 from kinetic_prefect.backends.gke.watch import TrackedJob
 from kinetic_prefect.launch.slices import host_index
@@ -176,9 +177,15 @@ class JobEnding:
 
     async def _fail_to_start(self, job: TrackedJob, reason: str | None = None) -> None:
         if reason is None:
-            if job.pod is None:
+            if job.pod is None or job.unschedulable:
                 await self._probe_events(job)
-            waited = time.monotonic() - job.created_at
+            waiting = pending(job.pod, job.manifest, job.pod_events) if job.pod else None
+            if waiting is not None and waiting.waits_for_capacity:
+                # Its events say a node is on its way: it waits for capacity after all.
+                job.failing_to_start = False
+                self._outcomes.evaluate(job)
+                return
+            waited = time.monotonic() - job.created_at - self._outcomes.capacity_waited(job)
             reason = (job.pending_reason or "the pod did not start") + (
                 f" (pending for {waited:.0f}s, longer than "
                 f"pending_timeout_seconds={self.pending_timeout_seconds:g}; the Job was deleted)"
@@ -187,11 +194,19 @@ class JobEnding:
         self._conclude(job, None, None, "", start_failure=reason)
 
     async def _probe_events(self, job: TrackedJob) -> None:
-        """Look for FailedCreate events on a Job that has no pod (quota, admission, RBAC)."""
+        """Look for FailedCreate events on a Job that has no pod (quota, admission, RBAC), or
+        for the autoscaler's events on an unschedulable pod (a node on its way)."""
+        pod_name = job.pod_name
         try:
-            events = await job_events(self._core, job.namespace, job.job_id)
+            if pod_name is not None:
+                job.pod_events = await job_events(self._core, job.namespace, pod_name, "Pod")
+            else:
+                events = await job_events(self._core, job.namespace, job.job_id)
         except Exception as exc:
             logger.debug("Could not read the events of %s: %s", job.job_id, exc)
+            return
+        if pod_name is not None:
+            self._outcomes.evaluate(job)
             return
         reason = failed_create_reason(events)
         if reason is None or job.done or job.failing_to_start:

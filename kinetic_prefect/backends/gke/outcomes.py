@@ -8,6 +8,14 @@ time for the other stream, then ends with what is known. A pod that waits to sta
 reports why; past `pending_timeout_seconds` the job fails to start, and a Job that
 gets no pod is probed for FailedCreate events meanwhile.
 
+A pod waiting for capacity that exists (nodes of its kind busy, or a node being
+added: `status.Pending.waits_for_capacity`) is queued, not pending: that time does
+not count toward `pending_timeout_seconds`, only toward `queue_timeout_seconds`
+(None: it waits as long as it takes). An unschedulable pod that no node matches has
+its own events read once it has been pending a probe interval, and again before it
+fails: a TriggeredScaleUp there (a node pool growing from zero) makes it a capacity
+wait. A pod the scheduler says is waiting for busy nodes costs no event reads.
+
 Nothing here calls the API or runs callbacks: the backend passes in what to do
 when a job ends, waits, fails to start or needs a probe.
 """
@@ -16,11 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import Callable, Mapping
 
 from kinetic_prefect.backends.gke.status import (
-    pending_reason,
+    pending,
     pod_outcome,
     pod_phase,
     pod_started,
@@ -44,8 +53,9 @@ class OutcomeTracker:
     """Applies the rules of the module docstring to the backend's tracked jobs.
 
     `conclude` ends a job; `report_pending(job, reason)` says why its pod waits;
-    `fail_to_start(job)` gives up on a pod past its pending timeout;
-    `probe_events(job)` looks for FailedCreate events of a Job without a pod.
+    `fail_to_start(job, reason)` gives up on a pod past its pending timeout (reason
+    None: the backend words it) or its queue timeout; `probe_events(job)` reads the
+    events of a Job without a pod (FailedCreate) or of an unschedulable pod (autoscaler).
     """
 
     def __init__(
@@ -54,14 +64,16 @@ class OutcomeTracker:
         *,
         cancel_grace_seconds: float,
         pending_timeout_seconds: float,
+        queue_timeout_seconds: float | None = None,
         conclude: Conclude,
         report_pending: Callable[[TrackedJob, str], None],
-        fail_to_start: Callable[[TrackedJob], None],
+        fail_to_start: Callable[[TrackedJob, str | None], None],
         probe_events: Callable[[TrackedJob], None],
     ) -> None:
         self._jobs = jobs
         self.cancel_grace_seconds = cancel_grace_seconds
         self.pending_timeout_seconds = pending_timeout_seconds
+        self.queue_timeout_seconds = queue_timeout_seconds
         self._conclude = conclude
         self._report_pending = report_pending
         self._fail_to_start = fail_to_start
@@ -115,10 +127,33 @@ class OutcomeTracker:
                 job.settle_by = time.monotonic() + wait
                 self.poke()
             return
-        if pod is not None and not pod_started(pod):
-            waiting = pending_reason(pod, job.manifest)
-            if waiting:
-                self._report_pending(job, waiting)
+        waiting = pending(pod, job.manifest, job.pod_events) if pod is not None else None
+        self._track_capacity_wait(job, waiting is not None and waiting.waits_for_capacity)
+        job.unschedulable = waiting is not None and waiting.unschedulable
+        if waiting is not None and not pod_started(pod):
+            reason = waiting.reason
+            if waiting.waits_for_capacity:
+                since = time.gmtime(job.capacity_since_wall)
+                reason += time.strftime("; waiting since %H:%M:%S UTC", since)
+            self._report_pending(job, reason)
+
+    def _track_capacity_wait(self, job: TrackedJob, waits: bool) -> None:
+        """Open or close the job's current wait for capacity (it stops the pending clock)."""
+        now = time.monotonic()
+        if waits and job.capacity_since is None:
+            job.capacity_since, job.capacity_since_wall = now, time.time()
+            self.poke()
+        elif not waits and job.capacity_since is not None:
+            job.capacity_waited += now - job.capacity_since
+            job.capacity_since = None
+            self.poke()
+
+    def capacity_waited(self, job: TrackedJob, now: float | None = None) -> float:
+        """Seconds the job has waited for capacity, the current wait included."""
+        ongoing = 0.0
+        if job.capacity_since is not None:
+            ongoing = (time.monotonic() if now is None else now) - job.capacity_since
+        return job.capacity_waited + ongoing
 
     def _conclude_as_known(self, job: TrackedJob) -> None:
         """End a job from whatever was last seen of its pod and Job."""
@@ -166,14 +201,34 @@ class OutcomeTracker:
         if job.failing_to_start:
             return None
         if not job.cancelled and not pod_started(job.pod) and not job.job_gone:
-            deadline = job.created_at + self.pending_timeout_seconds
+            waited = self.capacity_waited(job, now)
+            if job.capacity_since is not None:
+                if self.queue_timeout_seconds is None:
+                    return min(moments) if moments else None
+                deadline = job.capacity_since + self.queue_timeout_seconds - job.capacity_waited
+                if now >= deadline:
+                    self._fail_to_start(job, self._queue_timeout_reason(job, waited))
+                    return None
+                return min([*moments, deadline])
+            deadline = job.created_at + waited + self.pending_timeout_seconds
             if now >= deadline:
-                self._fail_to_start(job)
+                self._fail_to_start(job, None)
                 return None
             moments.append(deadline)
-            if job.pod is None:
+            if job.pod is None or job.unschedulable:
                 if now >= job.next_probe:
-                    job.next_probe = now + EVENTS_PROBE_INTERVAL
+                    # A pod's events are read once here and once more before it fails.
+                    again = EVENTS_PROBE_INTERVAL if job.pod is None else math.inf
+                    job.next_probe = now + again
                     self._probe_events(job)
-                moments.append(job.next_probe)
+                if job.next_probe < math.inf:
+                    moments.append(job.next_probe)
         return min(moments) if moments else None
+
+    def _queue_timeout_reason(self, job: TrackedJob, waited: float) -> str:
+        return (
+            f"{job.pending_reason or 'waiting for capacity'} (waited {waited:.0f}s for "
+            f"capacity, longer than queue_timeout_seconds={self.queue_timeout_seconds:g}; the "
+            "Job was deleted). Raise queue_timeout_seconds, or leave it unset to wait as long "
+            "as capacity takes to free; or free or add nodes of this kind"
+        )

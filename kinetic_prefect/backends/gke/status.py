@@ -3,7 +3,8 @@
 Owns the interpretation shared by the gke backend and `kinetic-prefect jobs`: whether a
 pod ever started, how it ended (exit code, signal, and the most telling reason:
 preempted, Evicted, OOMKilled, DeadlineExceeded), why a pending pod is not running
-(image pull, container config, unschedulable, with what the pod asks of a node), why
+(image pull, container config, unschedulable, with what the pod asks of a node) and
+whether it waits for capacity that exists or can never be scheduled, why
 the Job controller cannot create its pod (and whether waiting can help) and the
 one-line status a Job shows in `jobs ls`.
 """
@@ -11,9 +12,11 @@ one-line status a Job shows in `jobs ls`.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from kinetic_prefect.backends.base import WAITING_FOR_CAPACITY
 from kinetic_prefect.launch.manifest import ANNOTATION_ACCELERATOR, CONTAINER_NAME, container_of
 
 _IMAGE_WAITING_REASONS = {
@@ -161,25 +164,125 @@ def accelerator_hint(manifest: Mapping[str, Any]) -> str:
     )
 
 
-def pending_reason(pod: Mapping[str, Any], manifest: Mapping[str, Any]) -> str | None:
-    """Why a pending pod is not running, when Kubernetes says so; None while it just starts."""
+@dataclass(frozen=True)
+class Pending:
+    """Why a pod waits to start: `reason` to show, and whether it `waits_for_capacity`.
+
+    A pod waiting for capacity that exists (nodes of its kind are busy, or the cluster
+    autoscaler is adding one) will start once capacity frees; any other pending reason
+    (no node pool matches, a request no node can hold, an image that cannot be pulled)
+    will not go away by waiting.
+    """
+
+    reason: str
+    waits_for_capacity: bool = False
+    # The scheduler said Unschedulable (the pod's events may tell more).
+    unschedulable: bool = False
+
+
+def pending(
+    pod: Mapping[str, Any],
+    manifest: Mapping[str, Any],
+    events: Sequence[Mapping[str, Any]] = (),
+) -> Pending | None:
+    """Why a pending pod is not running, when Kubernetes says so; None while it just starts.
+
+    `events`: the pod's own events, when they were read: the cluster autoscaler's
+    TriggeredScaleUp / NotTriggerScaleUp tell whether a node is on its way.
+    """
     container = _task_container_status(pod)
     waiting = (container.get("state") or {}).get("waiting") or {}
     reason = waiting.get("reason")
     message = waiting.get("message") or ""
     if reason in _IMAGE_WAITING_REASONS:
         image = container_of(manifest).get("image") or container.get("image")
-        return f"cannot pull image {image} ({reason}: {message})".replace(": )", ")")
+        return Pending(f"cannot pull image {image} ({reason}: {message})".replace(": )", ")"))
     if reason in _CONFIG_WAITING_REASONS:
-        return f"cannot create the container ({reason}: {message})".replace(": )", ")")
+        return Pending(f"cannot create the container ({reason}: {message})".replace(": )", ")"))
     for condition in _conditions(pod):
         if condition.get("type") == "PodScheduled" and condition.get("status") == "False":
             if condition.get("reason") != "Unschedulable":
                 continue
-            hint = accelerator_hint(manifest)
-            text = f"unschedulable: {condition.get('message') or 'no node fits the pod'}"
-            return f"{text} — {hint}" if hint else text
+            return _unschedulable(str(condition.get("message") or ""), manifest, events)
     return None
+
+
+def pending_reason(pod: Mapping[str, Any], manifest: Mapping[str, Any]) -> str | None:
+    """`pending(pod, manifest)`'s reason alone."""
+    found = pending(pod, manifest)
+    return found.reason if found is not None else None
+
+
+# The scheduler's message: "0/9 nodes are available: 1 node(s) didn't match Pod's node
+# affinity/selector, 8 Insufficient google.com/tpu. preemption: 0/9 nodes are available:
+# 1 Preemption is not helpful for scheduling, 8 No preemption victims found for incoming pod."
+_FIT_ERROR = re.compile(
+    r"0/(?P<total>\d+) nodes are available: (?P<reasons>.*?)\.(?: preemption: 0/\d+ nodes are "
+    r"available: (?P<preemption>.*?)\.)?\s*$",
+    re.DOTALL,
+)
+_COUNTED = re.compile(r"(?:^|, )(\d+) ((?:(?!, \d+ ).)+)")
+# Nodes that match and could hold the pod once pods on them end (kube-scheduler marks
+# nodes too small even when empty "not helpful", kubernetes/kubernetes#131345).
+_NO_VICTIMS = "No preemption victims found for incoming pod"
+_MISMATCH = "didn't match Pod's node affinity/selector"
+_TRIGGERED_SCALE_UP = "TriggeredScaleUp"
+_NOT_TRIGGERED_SCALE_UP = "NotTriggerScaleUp"
+_MAX_SIZE = "max node group size reached"
+
+
+def _histogram(text: str | None) -> dict[str, int]:
+    return {reason: int(count) for count, reason in _COUNTED.findall(text or "")}
+
+
+def _latest_autoscaler_event(events: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    found = [e for e in events if e.get("reason") in {_TRIGGERED_SCALE_UP, _NOT_TRIGGERED_SCALE_UP}]
+    return max(found, key=_event_time) if found else None
+
+
+def _event_time(event: Mapping[str, Any]) -> str:
+    return str(event.get("lastTimestamp") or event.get("eventTime") or "")
+
+
+def _unschedulable(
+    message: str, manifest: Mapping[str, Any], events: Sequence[Mapping[str, Any]]
+) -> Pending:
+    """Capacity that exists (busy nodes of its kind, a node on its way), or never fitting."""
+    autoscaler = _latest_autoscaler_event(events)
+    said = str((autoscaler or {}).get("message") or "")
+    scaling_up = autoscaler is not None and autoscaler.get("reason") == _TRIGGERED_SCALE_UP
+    fit = _FIT_ERROR.match(message)
+    reasons = _histogram(fit.group("reasons")) if fit else {}
+    total = int(fit.group("total")) if fit else 0
+    short = sorted(r for r in reasons if r.startswith("Insufficient "))
+    # An accelerator's pod is short of cpu and memory too: name what it waits for.
+    short = [r for r in short if "/" in r] or short
+    if fit is not None and fit.group("preemption") is not None:
+        busy = _histogram(fit.group("preemption")).get(_NO_VICTIMS, 0)
+    else:  # an older scheduler: every node short of a resource is taken for a busy one
+        busy = max((n for r, n in reasons.items() if r.startswith("Insufficient ")), default=0)
+    if busy or scaling_up:
+        accelerator = (manifest["metadata"].get("annotations") or {}).get(ANNOTATION_ACCELERATOR)
+        kind = f"{accelerator} " if accelerator else ""
+        matching = total - sum(n for r, n in reasons.items() if _MISMATCH in r)
+        parts = []
+        if busy:
+            what = f" ({', '.join(short)})" if short else ""
+            parts.append(f"{busy}/{matching} {kind}nodes busy{what}")
+        if scaling_up:
+            parts.append(f"the cluster autoscaler is adding a node ({said})")
+        elif _MAX_SIZE in said:
+            parts.append("its node pools are at their maximum size")
+        return Pending(
+            f"{WAITING_FOR_CAPACITY}: {'; '.join(parts)}",
+            waits_for_capacity=True,
+            unschedulable=True,
+        )
+    hint = accelerator_hint(manifest)
+    text = f"unschedulable: {message or 'no node fits the pod'}"
+    if autoscaler is not None:
+        text += f" (cluster autoscaler: {said})"
+    return Pending(f"{text} — {hint}" if hint else text, unschedulable=True)
 
 
 def _latest_failed_create(events: list[dict[str, Any]]) -> str | None:

@@ -80,6 +80,14 @@ class TrackedJob:
     failing_to_start: bool = False
     done: bool = False
     pending_reason: str | None = None
+    # Waiting for capacity (status.Pending.waits_for_capacity): since when (monotonic), and
+    # how long earlier waits lasted. Neither counts toward the pending timeout.
+    capacity_since: float | None = None
+    capacity_since_wall: float = 0.0
+    capacity_waited: float = 0.0
+    # The scheduler found no node for the pod, and the pod's events as last read.
+    unschedulable: bool = False
+    pod_events: list[dict[str, Any]] = field(default_factory=list, repr=False)
     settle_by: float | None = None
     next_probe: float = 0.0
     last_callback: concurrent.futures.Future[None] | None = field(default=None, repr=False)

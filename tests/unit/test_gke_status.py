@@ -1,0 +1,170 @@
+"""Why a gke pod waits: capacity that exists (it queues) or a pod that can never be scheduled.
+
+Pods, nodes and events are built as the scheduler and cluster autoscaler write them
+(tests/support/kube_objects.py), or quoted from GKE as users reported them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kinetic_prefect.backends.gke.status import pending
+from kinetic_prefect.launch.slices import build_workload
+from tests.support.kube_objects import (
+    Node,
+    NodePool,
+    event,
+    gke_nodes,
+    place,
+    pod_of_job,
+    pod_requests,
+    scale_up_refused,
+    scale_up_triggered,
+    unschedulable_message,
+    unschedulable_status,
+)
+from tests.unit.test_manifest import _spec
+
+
+def _job(accelerator: str) -> dict[str, Any]:
+    job = build_workload(_spec(accelerator)).job
+    job["metadata"]["uid"] = "5e1b6f0c-3f0a-4f0e-9a57-0c1d2e3f4a5b"
+    return job
+
+
+def _unschedulable_pod(job: dict[str, Any], message: str | None) -> dict[str, Any]:
+    pod = pod_of_job(job, f"{job['metadata']['name']}-x7k2p", job["metadata"]["namespace"])
+    assert message is not None
+    pod["status"] = unschedulable_status(message)
+    return pod
+
+
+def _scheduled_on(nodes: list[Node], job: dict[str, Any]) -> str:
+    """The scheduler's message for one more pod of `job` once each node holds one."""
+    spec = job["spec"]["template"]["spec"]
+    for node in nodes:
+        node.bind(pod_requests(spec))
+    message = unschedulable_message(nodes, spec)
+    assert message is not None
+    return message
+
+
+def test_a_pod_behind_busy_nodes_of_its_kind_waits_for_capacity():
+    job = _job("tpu-v5e-4")
+    nodes = [*gke_nodes("v5e-4", "tpu-v5e-4", 8), Node("cpu-1")]
+    pod = _unschedulable_pod(job, _scheduled_on(nodes[:8], job))
+
+    waiting = pending(pod, job)
+
+    assert waiting is not None and waiting.waits_for_capacity
+    assert waiting.reason.startswith(
+        "waiting for capacity: 8/8 tpu-v5e-4 nodes busy (Insufficient google.com/tpu"
+    )
+
+
+@pytest.mark.parametrize(
+    ("accelerator", "nodes", "scheduler_says"),
+    [
+        # No node pool has the accelerator.
+        ("tpu-v5e-4", gke_nodes("l4", "l4", 3), "3 node(s) didn't match Pod's node affinity"),
+        # Nodes with four L4 GPUs each: eight never fit, however long the pod waits.
+        ("l4x8", gke_nodes("l4x4", "l4x4", 2), "2 Insufficient nvidia.com/gpu"),
+    ],
+)
+def test_a_pod_no_node_can_ever_hold_is_never_scheduled(accelerator, nodes, scheduler_says):
+    job = _job(accelerator)
+    pod = _unschedulable_pod(job, unschedulable_message(nodes, job["spec"]["template"]["spec"]))
+
+    never = pending(pod, job)
+
+    assert never is not None and not never.waits_for_capacity
+    assert scheduler_says in never.reason
+    assert f"{len(nodes)} Preemption is not helpful for scheduling" in never.reason
+    assert f"accelerator {accelerator} needs a node with" in never.reason
+
+
+def test_a_node_pool_growing_from_zero_nodes_makes_an_unmatched_pod_wait():
+    job = _job("l4")
+    pool = NodePool("l4-autoscaled", "l4", max_nodes=4)
+    message = unschedulable_message([Node("cpu-1")], job["spec"]["template"]["spec"])
+    pod = _unschedulable_pod(job, message or "")
+    grows = event(pod, "e1", "TriggeredScaleUp", scale_up_triggered(pool, 0), "cluster-autoscaler")
+
+    alone = pending(pod, job)
+    with_events = pending(pod, job, [grows])
+
+    assert alone is not None and not alone.waits_for_capacity
+    assert with_events is not None and with_events.waits_for_capacity
+    assert "the cluster autoscaler is adding a node (pod triggered scale-up: [{" in (
+        with_events.reason
+    )
+    assert "gke-kinetic-l4-autoscaled-grp 0->1 (max: 4)}])" in with_events.reason
+
+
+def test_busy_nodes_in_node_pools_at_their_maximum_size_still_wait():
+    job = _job("tpu-v5e-4")
+    pod = _unschedulable_pod(job, _scheduled_on(gke_nodes("v5e-4", "tpu-v5e-4", 4), job))
+    refused = event(
+        pod, "e1", "NotTriggerScaleUp", scale_up_refused(["max node group size reached"]), "ca"
+    )
+
+    waiting = pending(pod, job, [refused])
+
+    assert waiting is not None and waiting.waits_for_capacity
+    assert "4/4 tpu-v5e-4 nodes busy" in waiting.reason
+    assert "its node pools are at their maximum size" in waiting.reason
+
+
+def test_a_pod_whose_selector_no_node_group_matches_says_what_the_autoscaler_said():
+    job = _job("h100x8")
+    # As GKE users report it (kubernetes/autoscaler#5692, #3503).
+    message = (
+        "0/12 nodes are available: 12 node(s) didn't match Pod's node affinity/selector. "
+        "preemption: 0/12 nodes are available: 12 Preemption is not helpful for scheduling."
+    )
+    pod = _unschedulable_pod(job, message)
+    refused = event(
+        pod,
+        "e1",
+        "NotTriggerScaleUp",
+        "pod didn't trigger scale-up: 3 node(s) didn't match Pod's node affinity/selector",
+        "cluster-autoscaler",
+    )
+
+    never = pending(pod, job, [refused])
+
+    assert never is not None and not never.waits_for_capacity
+    assert "(cluster autoscaler: pod didn't trigger scale-up: 3 node(s) didn't match" in (
+        never.reason
+    )
+
+
+def test_a_message_without_the_preemption_verdict_takes_insufficient_nodes_for_busy_ones():
+    job = _job("l4")
+    pod = _unschedulable_pod(job, "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.")
+
+    waiting = pending(pod, job)
+
+    assert waiting is not None and waiting.waits_for_capacity
+    assert "3/3 l4 nodes busy (Insufficient nvidia.com/gpu)" in waiting.reason
+
+
+def test_a_slice_behind_a_slice_holding_its_pool_waits_and_one_split_over_pools_never_fits():
+    job = _job("tpu-v5e-16")
+    spec = job["spec"]["template"]["spec"]
+    whole = gke_nodes("v5e-16", "tpu-v5e-16", 4)
+    split = [*gke_nodes("pool-a", "tpu-v5e-16", 2), *gke_nodes("pool-b", "tpu-v5e-16", 2)]
+    holder = place(whole, spec, 4)
+    assert isinstance(holder, list)
+    for node in holder:
+        node.bind(pod_requests(spec))
+
+    behind = pending(_unschedulable_pod(job, str(place(whole, spec, 4))), job)
+    never = pending(_unschedulable_pod(job, str(place(split, spec, 4))), job)
+
+    assert behind is not None and behind.waits_for_capacity
+    assert "4/4 tpu-v5e-16 nodes busy (Insufficient google.com/tpu)" in behind.reason
+    assert never is not None and not never.waits_for_capacity
+    assert "didn't match pod affinity rules" in never.reason
