@@ -444,11 +444,22 @@ def install(spec: dict, wheels: list[Path], target: Path) -> None:
 
 
 def build(options: argparse.Namespace) -> int:
+    if options.out:
+        return _build(options, Path(options.out))
+    # Scratch space (1-2 GB for a TPU stack): removed once the archive is uploaded, so a
+    # builder leaves nothing behind wherever it runs.
+    work = Path(tempfile.mkdtemp(prefix="kinetic-env-"))
+    try:
+        return _build(options, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _build(options: argparse.Namespace, work: Path) -> int:
     spec_uri = options.spec
     spec = json.loads(read_text(spec_uri))
     source = spec_uri.rpartition("/")[0]
     destination = (options.upload or "").rstrip("/")
-    work = Path(options.out) if options.out else Path(tempfile.mkdtemp(prefix="kinetic-env-"))
     work.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     wheels = []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -14,7 +15,12 @@ from kinetic_prefect import KineticTaskRunner
 from kinetic_prefect.backends import environments
 from kinetic_prefect.errors import EnvironmentBuildError
 from kinetic_prefect.launch.accelerators import parse_accelerator
-from kinetic_prefect.launch.environment import Environments, build_locally, plan_environment
+from kinetic_prefect.launch.environment import (
+    ENV_SPEC_FILE,
+    Environments,
+    build_locally,
+    plan_environment,
+)
 from tests.support.clusters import SHIPPED_REQUIREMENTS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -100,6 +106,10 @@ def test_a_new_environment_is_built_by_a_builder_job_with_the_key_the_local_buil
         (Path("local-store") / "env-cache" / local.key / "manifest.json").read_text()
     )
     assert (built_here["pins"], built_here["files"]) == (on_cluster["pins"], on_cluster["files"])
+    # The builder pod shares this machine's temporary directory: its 1-2 GB of scratch
+    # space must be gone once it uploaded the archive.
+    scratch = Path(tempfile.gettempdir()).glob(f"kinetic-env-*/env/{ENV_SPEC_FILE}")
+    assert [p for p in scratch if json.loads(p.read_text())["key"] == local.key] == []
 
 
 def _local_store(root: Path):  # type: ignore[no-untyped-def]
