@@ -43,6 +43,7 @@ from kinetic_prefect.backends.gke.client import (
 )
 from kinetic_prefect.backends.gke.ending import JobEnding
 from kinetic_prefect.backends.gke.handle import write_handle
+from kinetic_prefect.backends.gke.kueue import QUEUE_POLL_SECONDS, QueueReader
 from kinetic_prefect.backends.gke.loop_thread import LoopThread
 from kinetic_prefect.backends.gke.outcomes import SETTLE_MARGIN_SECONDS, OutcomeTracker
 from kinetic_prefect.backends.gke.secrets import JobSecrets
@@ -95,6 +96,7 @@ class KubernetesBackend(JobEnding):
         cancel_grace_seconds: float = 10.0,
         kube_context: str | None = None,
         credentials_denied_timeout_seconds: float = CREDENTIALS_DENIED_SECONDS,
+        queue_poll_seconds: float = QUEUE_POLL_SECONDS,
     ) -> None:
         self.jobs_root = jobs_root
         self.cluster = cluster
@@ -120,6 +122,10 @@ class KubernetesBackend(JobEnding):
         self._active = 0
         self._secrets = JobSecrets(self._job_may_exist)
         self._connect_lock: asyncio.Lock | None = None
+        # Where Jobs waiting in a Kueue LocalQueue stand, read only while any waits.
+        self._queue_reader = QueueReader(
+            self._jobs, lambda: self._access.client, self._report_pending, queue_poll_seconds
+        )
         self._outcomes = OutcomeTracker(
             self._jobs,
             cancel_grace_seconds=cancel_grace_seconds,
@@ -128,6 +134,7 @@ class KubernetesBackend(JobEnding):
             report_pending=self._report_pending,
             fail_to_start=self._start_failing,
             probe_events=lambda job: self._runtime.spawn(self._probe_events(job)),
+            on_queued=lambda job: self._queue_reader.poke(),
         )
         self._watch = JobWatch(
             self.selector,
@@ -257,6 +264,7 @@ class KubernetesBackend(JobEnding):
                 self._access = access
                 self._runtime.spawn(access.keep_token_fresh())
                 self._runtime.spawn(self._outcomes.run())
+                self._runtime.spawn(self._queue_reader.run())
         return self._access
 
     async def _forget(self, job_id: str) -> None:

@@ -178,7 +178,7 @@ class JobEnding:
         if reason is None:
             if job.pod is None:
                 await self._probe_events(job)
-            waited = time.monotonic() - job.created_at
+            waited = time.monotonic() - (job.admitted_at or job.created_at)
             reason = (job.pending_reason or "the pod did not start") + (
                 f" (pending for {waited:.0f}s, longer than "
                 f"pending_timeout_seconds={self.pending_timeout_seconds:g}; the Job was deleted)"
