@@ -103,9 +103,7 @@ class KubeCluster:
 
     async def _stop(self) -> None:
         controllers = [
-            t
-            for t in (self._kubelet_task, self._collector_task, self._kueue_task)
-            if t is not None
+            t for t in (self._kubelet_task, self._collector_task, self._kueue_task) if t is not None
         ]
         for task in controllers:
             task.cancel()
