@@ -7,6 +7,7 @@ What ran when comes from the cluster's own event history.
 
 from __future__ import annotations
 
+import concurrent.futures
 import re
 import threading
 import time
@@ -132,22 +133,24 @@ def test_a_flow_cancelled_while_jobs_are_queued_leaves_no_suspended_job_or_workl
     gke, cluster, workdir
 ):
     _tpu_v5e_4_cluster(cluster)
+    leave = workdir / "leave"
 
     @flow(task_runner=_runner(gke, accelerator="tpu-v5e-4", queue_name=QUEUE))
     def leave_them_queued() -> list[object]:
         futures = hold.map(range(6), gate=unmapped(str(workdir / "never")))
-        wait_until(
-            lambda: (
-                len(cluster.pods()) == 4
-                and sum(1 for j in cluster.jobs() if j["spec"].get("suspend")) == 2
-                and len(cluster.workloads()) == 6
-            ),
-            90,
-            "4 pods running, and 2 Jobs queued with their Workloads",
-        )
+        wait_until(leave.exists, 120, "the test to have seen the queue")
         return [f.task_run_id for f in futures]
 
-    runs = leave_them_queued()
+    running = _in_background(leave_them_queued)
+    wait_until(
+        lambda: (
+            _suspended(cluster) == 2 and len(cluster.pods()) == 4 and len(cluster.workloads()) == 6
+        ),
+        90,
+        "4 pods running, and 2 Jobs queued with their Workloads",
+    )
+    leave.touch()
+    runs = running.result(timeout=120)
 
     wait_until(
         lambda: cluster.jobs() == [] and cluster.workloads() == [],
@@ -157,6 +160,22 @@ def test_a_flow_cancelled_while_jobs_are_queued_leaves_no_suspended_job_or_workl
     with get_client(sync_client=True) as client:
         states = [client.read_task_run(run).state for run in runs]  # type: ignore[arg-type]
     assert [s.type.value for s in states] == ["CANCELLED"] * 6  # type: ignore[union-attr]
+
+
+def _in_background(fn: Any) -> concurrent.futures.Future[Any]:
+    """Run a flow in a thread of its own while the test watches the cluster.
+
+    The flow's own code never touches the emulated cluster: whatever a flow closes over
+    travels with its tasks' context.
+    """
+    executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flow")
+    running = executor.submit(fn)
+    executor.shutdown(wait=False)
+    return running
+
+
+def _suspended(cluster: KubeCluster) -> int:
+    return sum(1 for job in cluster.jobs() if job["spec"].get("suspend"))
 
 
 @pytest.mark.slow
@@ -170,16 +189,18 @@ def test_queued_longer_than_the_pending_timeout_the_task_still_runs(gke, cluster
     @flow(task_runner=runner)
     def one_too_many() -> list[int]:
         futures = hold.map(range(5), gate=unmapped(str(gate)))
-
-        def queued_past_the_timeout() -> bool:
-            waiting = [j for j in cluster.jobs() if j["spec"].get("suspend")]
-            return len(waiting) == 1 and _age(waiting[0]) > 2 * PENDING_TIMEOUT
-
-        wait_until(queued_past_the_timeout, 90, "a Job queued for twice the pending timeout")
-        gate.touch()
         return [f.result() for f in futures]
 
-    assert one_too_many() == [0, 1, 2, 3, 4]
+    running = _in_background(one_too_many)
+
+    def queued_past_the_timeout() -> bool:
+        waiting = [j for j in cluster.jobs() if j["spec"].get("suspend")]
+        return len(waiting) == 1 and _age(waiting[0]) > 2 * PENDING_TIMEOUT
+
+    wait_until(queued_past_the_timeout, 90, "a Job queued for twice the pending timeout")
+    gate.touch()
+
+    assert running.result(timeout=120) == [0, 1, 2, 3, 4]
 
 
 def _age(job: dict[str, Any]) -> float:
@@ -232,36 +253,33 @@ def _pods_created_after_admission(cluster: KubeCluster, job_name: str) -> int:
 
 
 def test_kinetic_jobs_ls_shows_a_queued_job_as_queued(gke, cluster, workdir):
-    _tpu_v5e_4_cluster(cluster)
     from kinetic_prefect.backends.gke.client import connect, run_sync
     from kinetic_prefect.backends.gke.jobs import list_kinetic_jobs
 
+    _tpu_v5e_4_cluster(cluster)
+    gate = workdir / "gate"
+
     @flow(task_runner=_runner(gke, accelerator="tpu-v5e-4", queue_name=QUEUE))
-    def look_while_queued() -> list[str]:
-        futures = hold.map(range(5), gate=unmapped(str(workdir / "gate")))
-        wait_until(
-            lambda: (
-                sum(1 for j in cluster.jobs() if j["spec"].get("suspend")) == 1
-                and len(cluster.pods()) == 4
-            ),
-            90,
-            "4 pods and a queued Job",
-        )
+    def five() -> list[int]:
+        return [f.result() for f in hold.map(range(5), gate=unmapped(str(gate)))]
 
-        async def listing() -> list[str]:
-            access = await connect()
-            try:
-                return [s.status for s in await list_kinetic_jobs(access, NAMESPACE)]
-            finally:
-                await access.close()
+    running = _in_background(five)
+    wait_until(
+        lambda: _suspended(cluster) == 1 and len(cluster.pods()) == 4,
+        90,
+        "4 pods and a queued Job",
+    )
 
-        statuses = run_sync(listing())
-        (workdir / "gate").touch()
-        for future in futures:
-            future.wait()
-        return statuses
+    async def listing() -> list[str]:
+        access = await connect()
+        try:
+            return [s.status for s in await list_kinetic_jobs(access, NAMESPACE)]
+        finally:
+            await access.close()
 
-    statuses = look_while_queued()
+    statuses = run_sync(listing())
+    gate.touch()
+    running.result(timeout=120)
 
     assert statuses.count("Queued: waiting for Kueue to admit it from LocalQueue tpu") == 1
 

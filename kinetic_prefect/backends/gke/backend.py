@@ -48,7 +48,7 @@ from kinetic_prefect.backends.gke.loop_thread import LoopThread
 from kinetic_prefect.backends.gke.outcomes import SETTLE_MARGIN_SECONDS, OutcomeTracker
 from kinetic_prefect.backends.gke.secrets import JobSecrets
 from kinetic_prefect.backends.gke.slice import create_services
-from kinetic_prefect.backends.gke.status import true_condition
+from kinetic_prefect.backends.gke.status import suspended, true_condition
 from kinetic_prefect.backends.gke.watch import CREDENTIALS_DENIED_SECONDS, JobWatch, TrackedJob
 from kinetic_prefect.common.storage import open_store
 from kinetic_prefect.launch.manifest import (
@@ -436,6 +436,10 @@ class KubernetesBackend(JobEnding):
             if exc.status != 404:
                 raise
             found = None
+        if suspended(found):
+            # Queued in Kueue: its pods are still to be made from the template, which a
+            # suspended Job may change (its labels among them); they must carry this label.
+            found = await self._relabel_template(job, found, relabel) or found
         pods = []
         for pod in await pods_of_job(self._core, job.namespace, job.job_id) if found else []:
             with contextlib.suppress(ApiException):  # a pod already gone is no loss
@@ -462,6 +466,27 @@ class KubernetesBackend(JobEnding):
         self._watch.observe("job", found)
         for pod in pods:
             self._watch.observe("pod", pod)
+
+    async def _relabel_template(
+        self, job: TrackedJob, found: dict[str, Any], relabel: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        """Label the pod template of a suspended Job as this runner's; None if it was admitted."""
+        try:
+            return dict(
+                await read_json(
+                    await self._batch.patch_namespaced_job(
+                        job.job_id,
+                        job.namespace,
+                        {"spec": {"template": relabel}},
+                        _preload_content=False,
+                    )
+                )
+            )
+        except ApiException as exc:
+            # Admitted in between (the template is immutable again): its pods are listed
+            # and relabelled below, as a running Job's are.
+            logger.info("Could not relabel the pod template of %s: %s", job.job_id, exc.status)
+            return None
 
     async def _create_queued(self) -> None:
         while self._queued and not (self.max_parallel and self._active >= self.max_parallel):
