@@ -80,6 +80,7 @@ JOB_VARIABLES = {
     "cpu",
     "memory",
     "pod_overrides",
+    "queue_name",
     "flow_service_account",
 }
 CANCEL_GRACE_SECONDS = 5
