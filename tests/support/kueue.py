@@ -364,7 +364,15 @@ class Kueue:
         patch: dict[str, Any] = {"spec": {"suspend": False}}
         if labels:
             patch["spec"]["template"] = {"spec": {"nodeSelector": labels}}
-        await self._request("PATCH", path, patch)
+        try:
+            await self._request("PATCH", path, patch)
+        except RuntimeError:
+            # Deleted while it was being admitted (kmock answers a PATCH of an object being
+            # deleted with a 500): its quota goes back, as for any deleted Job.
+            if self.emulator.find(JOBS, workload.namespace, workload.job_name) is not None:
+                raise
+            workload.done, workload.usage = True, {}
+            self._changed.set()
 
     async def _finish(self, workload: _Workload, finished: dict[str, Any]) -> None:
         succeeded = finished.get("type") == "Complete"
