@@ -6,7 +6,8 @@ event loop thread every API call runs on, creating Jobs within `max_parallel`
 each job ended. What is known of
 each job comes from `kube_watch.JobWatch`; when and how it ended is decided by
 `kube_outcomes.OutcomeTracker`; both read Job and pod objects through
-`kube_status`.
+`kube_status`. Where Jobs waiting in a Kueue queue stand is read by
+`kube_kueue.QueueReader`, only while any waits.
 
 Threads: every API call runs on one event loop in one background thread. The
 runner's callbacks are synchronous and may block (GCS reads, Prefect API calls),
