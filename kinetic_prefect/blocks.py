@@ -160,6 +160,11 @@ class KineticCluster(Block):
         description="Fail a pod that waits this long for capacity (nodes of its kind busy, or "
         "being added); unset: wait as long as it takes.",
     )
+    queue_name: str | None = Field(
+        default=None,
+        description="Kueue LocalQueue in the namespace that admits every Job (docs/kueue.md): "
+        "Jobs are created suspended and wait there; the pending timeout counts from admission.",
+    )
     warm_pods: bool | None = Field(
         default=None,
         description="Keep a pod after its task for the next task run of the same pod spec.",
@@ -251,6 +256,7 @@ def cluster_settings(cluster: KineticCluster) -> dict[str, Any]:
         "timeout_seconds": cluster.timeout_seconds,
         "pending_timeout_seconds": cluster.pending_timeout_seconds,
         "queue_timeout_seconds": cluster.queue_timeout_seconds,
+        "queue_name": cluster.queue_name,
         "warm_pods": cluster.warm_pods,
         "warm_pod_idle_seconds": cluster.warm_pod_idle_seconds,
         "environment": cluster.environment,

@@ -147,7 +147,7 @@ async def _cluster_checks(cluster: Any, settings: Any, accelerator: str | None) 
                     f"{access.source} ({access.server}), namespace {settings.namespace}",
                 )
             )
-        checks.append(await _rbac_check(access, settings.namespace))
+        checks.append(await _rbac_check(access, settings))
         checks += await _service_account_checks(access, settings)
         if accelerator:
             checks.append(await _node_pool_check(access, accelerator, list_nodes))
@@ -156,21 +156,23 @@ async def _cluster_checks(cluster: Any, settings: Any, accelerator: str | None) 
     return checks
 
 
-async def _rbac_check(access: Any, namespace: str) -> Check:
-    """A SelfSubjectAccessReview for every verb the runner uses (`RUNNER_ACCESS`)."""
+async def _rbac_check(access: Any, settings: Any) -> Check:
+    """A SelfSubjectAccessReview for every verb the runner uses with `settings`."""
     from kubernetes_asyncio import client
 
     from kinetic_prefect.backends.gke.client import api_error_message, read_json
     from kinetic_prefect.backends.gke.permissions import (
         RBAC_FILE,
-        RUNNER_ACCESS,
         USER_BINDING_FILE,
         access_review,
+        needed_access,
     )
 
+    namespace = settings.namespace
+    needed = needed_access(settings)
     api = client.AuthorizationV1Api(access.client)
     denied = []
-    for wanted in RUNNER_ACCESS:
+    for wanted in needed:
         body: Any = access_review(namespace, wanted)  # a plain dict, as the API takes it
         try:
             review = await read_json(
@@ -194,7 +196,7 @@ async def _rbac_check(access: Any, namespace: str) -> Check:
             f"(kubectl apply -n {namespace} -f {RBAC_FILE}) and bind it to these credentials: "
             f"sed s/USER/YOUR_ACCOUNT/ {USER_BINDING_FILE} | kubectl apply -n {namespace} -f -",
         )
-    return Check("RBAC", "ok", f"every verb the runner uses is granted ({len(RUNNER_ACCESS)})")
+    return Check("RBAC", "ok", f"every verb the runner uses is granted ({len(needed)})")
 
 
 async def _service_account_checks(access: Any, settings: Any) -> list[Check]:

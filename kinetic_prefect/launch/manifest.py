@@ -35,6 +35,8 @@ LABEL_FLOW_RUN_ID = "kinetic-prefect.io/flow-run-id"
 LABEL_TASK_IDENTITY = "kinetic-prefect.io/task-identity"
 # On a warm pod's Job: after its first task it may run any task run of its flow run.
 LABEL_WARM = "kinetic-prefect.io/warm"
+# Kueue's batch/Job integration: the LocalQueue that admits the Job (docs/kueue.md).
+LABEL_QUEUE_NAME = "kueue.x-k8s.io/queue-name"
 ANNOTATION_ACCELERATOR = "kinetic-prefect.io/accelerator"
 ANNOTATION_TASK_NAME = "kinetic-prefect.io/task-name"
 ANNOTATION_OUTPUT_DIR = "kinetic-prefect.io/output-dir"
@@ -139,6 +141,9 @@ class LaunchSpec:
     memory: str | None = None
     # Merged into the pod spec (`kinetic_prefect.launch.pod_overrides`).
     pod_overrides: Mapping[str, Any] | None = None
+    # A Kueue LocalQueue: the Job is created suspended, labelled for it, and Kueue admits
+    # it (unsuspends it) when its ClusterQueue has quota for all of its pods.
+    queue_name: str | None = None
 
     def labels(self) -> dict[str, str]:
         labels = {**self.extra_labels, LABEL_MANAGED_BY: MANAGED_BY, LABEL_JOB_ID: self.job_id}
@@ -310,13 +315,19 @@ def base_job_manifest(spec: LaunchSpec) -> dict[str, Any]:
     }
     if spec.timeout_seconds:
         job_spec["activeDeadlineSeconds"] = int(spec.timeout_seconds)
+    job_labels = spec.labels()
+    if spec.queue_name:
+        # Kueue's Job integration: one Workload per Job (a slice's pods are its one pod set,
+        # admitted whole), started by unsuspending it.
+        job_labels[LABEL_QUEUE_NAME] = spec.queue_name
+        job_spec["suspend"] = True
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
         "metadata": {
             "name": spec.job_id,
             "namespace": spec.namespace,
-            "labels": spec.labels(),
+            "labels": job_labels,
             "annotations": annotations,
         },
         "spec": job_spec,

@@ -12,6 +12,7 @@ import contextvars
 import dataclasses
 import json
 import os
+import re
 import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -61,6 +62,9 @@ class LaunchSettings:
     pending_timeout_seconds: float = 600.0
     # How long a pod may wait for capacity (busy nodes, a node being added); None: forever.
     queue_timeout_seconds: float | None = None
+    # gke: the Kueue LocalQueue of the namespace that admits the Jobs (docs/kueue.md); they
+    # are created suspended and wait in it, and the pending timeout counts from admission.
+    queue_name: str | None = None
     # gke: how long the cluster may refuse the credentials to watch a job's pod (401/403,
     # re-read meanwhile) before the job fails (docs/kubernetes.md).
     credentials_denied_timeout_seconds: float = 120.0
@@ -152,6 +156,7 @@ _ENV_PARSERS: dict[str, Any] = {
     "cancel_grace_seconds": float,
     "pending_timeout_seconds": float,
     "queue_timeout_seconds": float,
+    "queue_name": str,
     "credentials_denied_timeout_seconds": float,
     "allow_loopback_api": lambda v: _parse_bool("KINETIC_ALLOW_LOOPBACK_API", v),
     "kube_context": str,
@@ -330,12 +335,25 @@ def _validate(settings: LaunchSettings) -> None:
             "warm pod waits for its next task run)."
         )
     _check_warm_idle(settings)
+    _check_queue_name(settings.queue_name)
     _check_environment(settings)
     _check_quantity("cpu", settings.cpu, "8 or 500m")
     _check_quantity("memory", settings.memory, "64Gi or 512Mi")
     for key in settings.env:
         if not key or "=" in key:
             raise ConfigurationError(f"Invalid environment variable name {key!r} in env=.")
+
+
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
+
+
+def _check_queue_name(queue_name: str | None) -> None:
+    if queue_name is not None and not _DNS_SUBDOMAIN.fullmatch(queue_name):
+        raise ConfigurationError(
+            f"queue_name={queue_name!r} is not a LocalQueue name: use the name of a Kueue "
+            "LocalQueue in the Jobs' namespace (lowercase letters, digits, '-' and '.'; "
+            "kubectl get localqueues -n NAMESPACE lists them)."
+        )
 
 
 def _check_quantity(name: str, value: str | None, example: str) -> None:

@@ -203,6 +203,7 @@ class Launcher:
             cpu=settings.cpu,
             memory=settings.memory,
             pod_overrides=settings.pod_overrides,
+            queue_name=settings.queue_name,
         )
         if self.resources.warm_pods.take(launch, spec, backend, store, secrets, self):
             return

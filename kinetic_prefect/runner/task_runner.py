@@ -136,6 +136,8 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
             default what the accelerator's machine leaves to pods (docs/kubernetes.md).
         pod_overrides: PodSpec fields merged into the pod spec (tolerations,
             `priorityClassName`, `imagePullSecrets`, volumes...); docs/kubernetes.md has the rule.
+        queue_name: a Kueue LocalQueue (gke): every Job is created suspended in it and starts
+            when Kueue admits it; time spent queued is not pending time (docs/kueue.md).
         **settings: any other setting of `kinetic_prefect.launch.settings.LaunchSettings`.
 
     Retries: an exception in the task is retried by Prefect's engine inside the

@@ -58,6 +58,7 @@ class FlowPodJob(Protocol):
     cpu: str | None
     memory: str | None
     pod_overrides: dict[str, Any] | None
+    queue_name: str | None
     flow_service_account: str
     name: str | None
     command: str | None
@@ -92,6 +93,8 @@ INHERITED_SETTINGS = (
     "cancel_grace_seconds",
     "pending_timeout_seconds",
     "queue_timeout_seconds",
+    # The flow's task pods wait in the flow pod's Kueue LocalQueue unless its runner names one.
+    "queue_name",
     "credentials_denied_timeout_seconds",
     "allow_loopback_api",
     # Where the environments the flow pod's runner ships to its task pods are kept and built.
@@ -193,6 +196,7 @@ def flow_pod_settings(configuration: FlowPodJob, cluster: Any = None) -> LaunchS
             "cpu": configuration.cpu,
             "memory": configuration.memory,
             "pod_overrides": configuration.pod_overrides,
+            "queue_name": configuration.queue_name,
         },
         block=block,
     )
@@ -260,5 +264,6 @@ def plan_flow_pod(
         cpu=settings.cpu,
         memory=settings.memory,
         pod_overrides=settings.pod_overrides,
+        queue_name=settings.queue_name,
     )
     return FlowPodPlan(settings, spec, build_job_manifest(spec), secrets)

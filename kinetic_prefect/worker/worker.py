@@ -106,6 +106,11 @@ _POD_OVERRIDES_HELP = (
     "PodSpec fields merged into the flow-run pod's spec (tolerations, priorityClassName, "
     "imagePullSecrets, volumes, ...); see docs/kubernetes.md for the merge rule."
 )
+_QUEUE_NAME_HELP = (
+    "Kueue LocalQueue (in the Job's namespace) that admits the flow-run pod's Job and, unless "
+    "the flow's runner names another, its task pods' Jobs: they are created suspended and "
+    "start when Kueue admits them (docs/kueue.md). Default: the cluster's, else none."
+)
 _FLOW_SERVICE_ACCOUNT_HELP = (
     "Kubernetes service account of the flow-run pod, with its token mounted: it launches the "
     "flow's task pods, so it needs the kinetic-prefect-runner Role of deployments/k8s/rbac.yaml. "
@@ -125,6 +130,7 @@ class _KineticPodFields(BaseModel):
     cpu: str | None = Field(default=None, description=_CPU_HELP)
     memory: str | None = Field(default=None, description=_MEMORY_HELP)
     pod_overrides: dict[str, Any] | None = Field(default=None, description=_POD_OVERRIDES_HELP)
+    queue_name: str | None = Field(default=None, description=_QUEUE_NAME_HELP)
     flow_service_account: str = Field(
         default=RUNNER_SERVICE_ACCOUNT, min_length=1, description=_FLOW_SERVICE_ACCOUNT_HELP
     )

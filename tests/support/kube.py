@@ -33,10 +33,11 @@ from tests.support.gcs_iam import documented_kubectl_commands
 from tests.support.kube_auth import AUTHENTICATED, MASTERS, User
 from tests.support.kube_emulator import JOBS, PODS, ClusterEmulator
 from tests.support.kubelet import KUBELET_AGENT, Kubelet
+from tests.support.kueue import KUEUE_AGENT, Kueue
 from tests.support.standins import Target, apply, kubeconfig, kubectl, manifests
 
 # The cluster's own controllers: their requests are not a client's.
-_CONTROLLER_AGENTS = {KUBELET_AGENT, GARBAGE_COLLECTOR_AGENT}
+_CONTROLLER_AGENTS = {KUBELET_AGENT, GARBAGE_COLLECTOR_AGENT, KUEUE_AGENT}
 
 TESTER = "tester"
 TESTER_TOKEN = "test-token"
@@ -67,6 +68,9 @@ class KubeCluster:
         )
         self.kubelet = Kubelet(self.emulator, workspace / "kubelet")
         self.garbage_collector = GarbageCollector(self.emulator)
+        # Admits Jobs of a Kueue LocalQueue once a test applies its queues (tests/support/kueue.py).
+        self.kueue = Kueue(self.emulator)
+        self.emulator.pending_workloads = self.kueue.pending_workloads
         self.url = ""
         self.kubeconfig = workspace / "kubeconfig.json"
         self._server: kmock.Server | None = None
@@ -74,6 +78,7 @@ class KubeCluster:
         self.refusals_expected = False
         self._kubelet_task: asyncio.Task[Any] | None = None
         self._collector_task: asyncio.Task[Any] | None = None
+        self._kueue_task: asyncio.Task[Any] | None = None
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the emulator's loop (a consistent view of its objects)."""
@@ -94,9 +99,12 @@ class KubeCluster:
         loop = asyncio.get_running_loop()
         self._kubelet_task = loop.create_task(self.kubelet.run(self.url))
         self._collector_task = loop.create_task(self.garbage_collector.run(self.url))
+        self._kueue_task = loop.create_task(self.kueue.run(self.url))
 
     async def _stop(self) -> None:
-        controllers = [t for t in (self._kubelet_task, self._collector_task) if t is not None]
+        controllers = [
+            t for t in (self._kubelet_task, self._collector_task, self._kueue_task) if t is not None
+        ]
         for task in controllers:
             task.cancel()
         await asyncio.gather(*controllers, return_exceptions=True)
@@ -176,6 +184,10 @@ class KubeCluster:
 
     def pods(self, namespace: str | None = None) -> list[dict[str, Any]]:
         return self.call(lambda: self.emulator.live(PODS, namespace))
+
+    def workloads(self, namespace: str | None = None) -> list[dict[str, Any]]:
+        """Kueue's Workloads (tests/support/kueue.py)."""
+        return self.call(lambda: self.emulator.live("workloads", namespace))
 
     def services(self, namespace: str | None = None) -> list[dict[str, Any]]:
         return self.call(lambda: self.emulator.live("services", namespace))
@@ -280,6 +292,6 @@ def running_cluster(
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
         loop.close()
-    errors = cluster.kubelet.errors + cluster.garbage_collector.errors
+    errors = cluster.kubelet.errors + cluster.garbage_collector.errors + cluster.kueue.errors
     if errors:
         raise errors[0]

@@ -171,6 +171,8 @@ class ClusterEmulator(kmock.KubernetesEmulator):
     policy: kube_auth.Policy = attrs.field(factory=kube_auth.Policy, init=False)
     # Every 401 and RBAC 403 answered: (code, method, path, message).
     refusals: list[tuple[int, str, str, str]] = attrs.field(factory=list, init=False)
+    # Kueue's visibility API: (namespace, LocalQueue) -> its PendingWorkloadsSummary.
+    pending_workloads: Any = attrs.field(default=None, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -476,6 +478,14 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         # so each reaction adds work that grows with the test's request count.
         if request.subresource == "log":
             return await self._serve_log(request)
+        resource = request.resource
+        if (
+            request.subresource == "pendingworkloads"
+            and resource is not None
+            and resource.group == "visibility.kueue.x-k8s.io"
+            and self.pending_workloads is not None
+        ):
+            return self.pending_workloads(request.namespace, request.name)
         return await super()._serve_fetch(request)
 
     async def _serve_log(self, request: kmock.Request) -> Any:

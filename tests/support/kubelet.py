@@ -9,7 +9,8 @@ TTL-after-finished controller does, it deletes a finished Job (and so its pods)
 `ttlSecondsAfterFinished` after the Job finished. A pod the API server refuses
 (over quota, a service account that does not exist) is not created: as the Job
 controller does, it records a FailedCreate event on the Job and tries again with
-backoff.
+backoff. A suspended Job (one waiting in a Kueue queue, tests/support/kueue.py) gets
+its pods only once it is unsuspended.
 
 A container runs the interpreter of its image: a stock `python` image has a bare
 one, with its standard library and pip only (`bare_python()`), so a pod of the
@@ -247,7 +248,8 @@ class Kubelet:
                 timer = asyncio.get_running_loop().create_task(self._expire(job))
                 timer.add_done_callback(self._task_done)
                 self._ttl_timers[name] = timer
-        elif event_type == "ADDED" and name not in self._pods:
+        elif name not in self._pods and not job["spec"].get("suspend"):
+            # A suspended Job (waiting in a Kueue queue) gets its pods once unsuspended.
             suffix = secrets.token_hex(3)[:5]
             hosts = hosts_of(job)
             names = (

@@ -80,6 +80,7 @@ JOB_VARIABLES = {
     "cpu",
     "memory",
     "pod_overrides",
+    "queue_name",
     "flow_service_account",
 }
 CANCEL_GRACE_SECONDS = 5
@@ -728,6 +729,22 @@ def test_flow_pod_takes_cpu_memory_and_pod_overrides_from_job_variables(workdir:
     kubernetes_validate.validate(manifest, kubernetes_validate.latest_version(), strict=True)
     assert container_of(manifest)["resources"]["requests"] == {"cpu": "2", "memory": "8Gi"}
     assert manifest["spec"]["template"]["spec"]["tolerations"] == [toleration]
+
+
+def test_flow_pod_waits_in_the_job_variables_kueue_queue_and_its_task_pods_inherit_it(
+    workdir: Path,
+):
+    flow_run = FlowRun(id=uuid.uuid4(), name="quiet-lynx", flow_id=uuid.uuid4())
+    configuration = KineticJobConfiguration(queue_name="cpu")
+    configuration.prepare_for_flow_run(flow_run)
+
+    manifest = plan_flow_pod(flow_run, configuration).manifest
+
+    env = {item["name"]: item.get("value") for item in container_of(manifest)["env"]}
+    kubernetes_validate.validate(manifest, kubernetes_validate.latest_version(), strict=True)
+    assert manifest["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "cpu"
+    assert manifest["spec"]["suspend"] is True
+    assert env["KINETIC_QUEUE_NAME"] == "cpu"
 
 
 def test_flow_pod_hands_its_cluster_settings_down_to_the_flows_task_pods(prepared, workdir):

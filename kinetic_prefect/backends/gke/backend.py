@@ -6,7 +6,8 @@ event loop thread every API call runs on, creating Jobs within `max_parallel`
 each job ended. What is known of
 each job comes from `kube_watch.JobWatch`; when and how it ended is decided by
 `kube_outcomes.OutcomeTracker`; both read Job and pod objects through
-`kube_status`.
+`kube_status`. Where Jobs waiting in a Kueue queue stand is read by
+`kube_kueue.QueueReader`, only while any waits.
 
 Threads: every API call runs on one event loop in one background thread. The
 runner's callbacks are synchronous and may block (GCS reads, Prefect API calls),
@@ -43,11 +44,12 @@ from kinetic_prefect.backends.gke.client import (
 )
 from kinetic_prefect.backends.gke.ending import JobEnding
 from kinetic_prefect.backends.gke.handle import write_handle
+from kinetic_prefect.backends.gke.kueue import QUEUE_POLL_SECONDS, QueueReader
 from kinetic_prefect.backends.gke.loop_thread import LoopThread
 from kinetic_prefect.backends.gke.outcomes import SETTLE_MARGIN_SECONDS, OutcomeTracker
 from kinetic_prefect.backends.gke.secrets import JobSecrets
 from kinetic_prefect.backends.gke.slice import create_services
-from kinetic_prefect.backends.gke.status import true_condition
+from kinetic_prefect.backends.gke.status import suspended, true_condition
 from kinetic_prefect.backends.gke.watch import CREDENTIALS_DENIED_SECONDS, JobWatch, TrackedJob
 from kinetic_prefect.common.storage import open_store
 from kinetic_prefect.launch.manifest import (
@@ -97,6 +99,7 @@ class KubernetesBackend(JobEnding):
         kube_context: str | None = None,
         credentials_denied_timeout_seconds: float = CREDENTIALS_DENIED_SECONDS,
         gcp_credentials: Any = None,
+        queue_poll_seconds: float = QUEUE_POLL_SECONDS,
     ) -> None:
         self.jobs_root = jobs_root
         self.cluster = cluster
@@ -122,6 +125,10 @@ class KubernetesBackend(JobEnding):
         self._active = 0
         self._secrets = JobSecrets(self._job_may_exist)
         self._connect_lock: asyncio.Lock | None = None
+        # Where Jobs waiting in a Kueue LocalQueue stand, read only while any waits.
+        self._queue_reader = QueueReader(
+            self._jobs, lambda: self._access.client, self._report_pending, queue_poll_seconds
+        )
         self._outcomes = OutcomeTracker(
             self._jobs,
             cancel_grace_seconds=cancel_grace_seconds,
@@ -131,6 +138,7 @@ class KubernetesBackend(JobEnding):
             report_pending=self._report_pending,
             fail_to_start=self._start_failing,
             probe_events=lambda job: self._runtime.spawn(self._probe_events(job)),
+            on_queued=lambda job: self._queue_reader.poke(),
         )
         self._watch = JobWatch(
             self.selector,
@@ -260,6 +268,7 @@ class KubernetesBackend(JobEnding):
                 self._access = access
                 self._runtime.spawn(access.keep_token_fresh())
                 self._runtime.spawn(self._outcomes.run())
+                self._runtime.spawn(self._queue_reader.run())
         return self._access
 
     async def _forget(self, job_id: str) -> None:
@@ -431,6 +440,10 @@ class KubernetesBackend(JobEnding):
             if exc.status != 404:
                 raise
             found = None
+        if suspended(found):
+            # Queued in Kueue: its pods are still to be made from the template, which a
+            # suspended Job may change (its labels among them); they must carry this label.
+            found = await self._relabel_template(job, found, relabel) or found
         pods = []
         for pod in await pods_of_job(self._core, job.namespace, job.job_id) if found else []:
             with contextlib.suppress(ApiException):  # a pod already gone is no loss
@@ -457,6 +470,27 @@ class KubernetesBackend(JobEnding):
         self._watch.observe("job", found)
         for pod in pods:
             self._watch.observe("pod", pod)
+
+    async def _relabel_template(
+        self, job: TrackedJob, found: dict[str, Any], relabel: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        """Label the pod template of a suspended Job as this runner's; None if it was admitted."""
+        try:
+            return dict(
+                await read_json(
+                    await self._batch.patch_namespaced_job(
+                        job.job_id,
+                        job.namespace,
+                        {"spec": {"template": relabel}},
+                        _preload_content=False,
+                    )
+                )
+            )
+        except ApiException as exc:
+            # Admitted in between (the template is immutable again): its pods are listed
+            # and relabelled below, as a running Job's are.
+            logger.info("Could not relabel the pod template of %s: %s", job.job_id, exc.status)
+            return None
 
     async def _create_queued(self) -> None:
         while self._queued and not (self.max_parallel and self._active >= self.max_parallel):

@@ -6,7 +6,8 @@ When only one half of the story has arrived (the Job ended but its pod has not
 reported, or the pod vanished before the Job said why), the job waits a bounded
 time for the other stream, then ends with what is known. A pod that waits to start
 reports why; past `pending_timeout_seconds` the job fails to start, and a Job that
-gets no pod is probed for FailedCreate events meanwhile.
+gets no pod is probed for FailedCreate events meanwhile. A Job waiting in a Kueue
+LocalQueue (suspended) is not pending: both clocks start when it is admitted.
 
 A pod waiting for capacity that exists (nodes of its kind busy, or a node being
 added: `status.Pending.waits_for_capacity`) is queued, not pending: that time does
@@ -33,6 +34,8 @@ from kinetic_prefect.backends.gke.status import (
     pod_outcome,
     pod_phase,
     pod_started,
+    queue_name_of,
+    suspended,
     true_condition,
 )
 from kinetic_prefect.backends.gke.watch import TrackedJob
@@ -69,6 +72,7 @@ class OutcomeTracker:
         report_pending: Callable[[TrackedJob, str], None],
         fail_to_start: Callable[[TrackedJob, str | None], None],
         probe_events: Callable[[TrackedJob], None],
+        on_queued: Callable[[TrackedJob], None] | None = None,
     ) -> None:
         self._jobs = jobs
         self.cancel_grace_seconds = cancel_grace_seconds
@@ -78,14 +82,39 @@ class OutcomeTracker:
         self._report_pending = report_pending
         self._fail_to_start = fail_to_start
         self._probe_events = probe_events
+        self._on_queued = on_queued
         self._wake = asyncio.Event()
 
     def start_clock(self, job: TrackedJob) -> None:
         """The job's Job was just created: its pending timeout and event probes count from now."""
         job.created_at = time.monotonic()
-        first_probe = min(EVENTS_PROBE_SECONDS, self.pending_timeout_seconds / 2)
-        job.next_probe = job.created_at + first_probe
+        if suspended(job.manifest):
+            self._queued(job)
+        else:
+            self._admitted(job, job.created_at)
+
+    def _admitted(self, job: TrackedJob, now: float) -> None:
+        job.admitted_at = now
+        job.next_probe = now + min(EVENTS_PROBE_SECONDS, self.pending_timeout_seconds / 2)
         self.poke()
+
+    def _queued(self, job: TrackedJob) -> None:
+        job.admitted_at = None
+        if self._on_queued is not None:
+            self._on_queued(job)
+
+    def _note_admission(self, job: TrackedJob) -> None:
+        """Kueue admitted the job's Job (unsuspended it), or put it back in its queue."""
+        if job.job is None or job.job_gone:
+            return
+        if suspended(job.job):
+            if job.admitted_at is not None and not pod_started(job.pod):
+                self._queued(job)  # evicted by Kueue before its pod started
+        elif job.admitted_at is None:
+            self._admitted(job, time.monotonic())
+            queue = queue_name_of(job.job)
+            if queue:
+                self._report_pending(job, f"admitted by Kueue from LocalQueue {queue}")
 
     def settle_after_cancel(self, job: TrackedJob) -> None:
         """The job's Job was deleted: give its pod the cancel grace to report how it ended."""
@@ -97,6 +126,7 @@ class OutcomeTracker:
         """Decide from the job's last seen Job and pod whether it ended, waits, or is pending."""
         if job.done or job.failing_to_start:
             return
+        self._note_admission(job)
         pod = job.pod
         if pod_phase(pod) in {"Succeeded", "Failed"}:
             self._conclude(job, *pod_outcome(pod, job.job))
@@ -200,7 +230,8 @@ class OutcomeTracker:
             moments.append(job.settle_by)
         if job.failing_to_start:
             return None
-        if not job.cancelled and not pod_started(job.pod) and not job.job_gone:
+        admitted = job.admitted_at  # None: waiting in a Kueue queue, which is not pending
+        if admitted is not None and not (job.cancelled or pod_started(job.pod) or job.job_gone):
             waited = self.capacity_waited(job, now)
             if job.capacity_since is not None:
                 if self.queue_timeout_seconds is None:
@@ -210,7 +241,7 @@ class OutcomeTracker:
                     self._fail_to_start(job, self._queue_timeout_reason(job, waited))
                     return None
                 return min([*moments, deadline])
-            deadline = job.created_at + waited + self.pending_timeout_seconds
+            deadline = admitted + waited + self.pending_timeout_seconds
             if now >= deadline:
                 self._fail_to_start(job, None)
                 return None

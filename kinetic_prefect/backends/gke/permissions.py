@@ -30,6 +30,8 @@ class Access:
     resource: str
     verb: str
     why: str
+    # The setting that needs it, when only some runners do (doctor checks it only then).
+    setting: str = ""
 
     @property
     def resource_name(self) -> str:
@@ -37,8 +39,8 @@ class Access:
         return f"{self.resource}.{self.group}" if self.group else self.resource
 
 
-def _each(group: str, resource: str, verbs: str, why: str) -> list[Access]:
-    return [Access(group, resource, verb, why) for verb in verbs.split()]
+def _each(group: str, resource: str, verbs: str, why: str, setting: str = "") -> list[Access]:
+    return [Access(group, resource, verb, why, setting) for verb in verbs.split()]
 
 
 RUNNER_ACCESS: tuple[Access, ...] = (
@@ -51,7 +53,21 @@ RUNNER_ACCESS: tuple[Access, ...] = (
     *_each("", "services", "create get delete", "a multi-host slice's headless Service"),
     *_each("", "secrets", "create patch delete list", "the runner's Secret for its pods"),
     *_each("", "serviceaccounts", "get", "doctor: the pods' service account exists"),
+    # Kueue (queue_name): where a queued Job stands; harmless where Kueue is not installed.
+    *_each("kueue.x-k8s.io", "workloads", "list", "say why a queued Job waits", "queue_name"),
+    *_each(
+        "visibility.kueue.x-k8s.io",
+        "localqueues/pendingworkloads",
+        "get",
+        "say where a queued Job stands in its LocalQueue",
+        "queue_name",
+    ),
 )
+
+
+def needed_access(settings: Any) -> tuple[Access, ...]:
+    """The part of `RUNNER_ACCESS` a runner with `settings` uses."""
+    return tuple(a for a in RUNNER_ACCESS if not a.setting or getattr(settings, a.setting, None))
 
 
 def access_review(namespace: str, access: Access) -> dict[str, Any]:

@@ -17,7 +17,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from kinetic_prefect.backends.base import WAITING_FOR_CAPACITY
-from kinetic_prefect.launch.manifest import ANNOTATION_ACCELERATOR, CONTAINER_NAME, container_of
+from kinetic_prefect.launch.manifest import (
+    ANNOTATION_ACCELERATOR,
+    CONTAINER_NAME,
+    LABEL_QUEUE_NAME,
+    container_of,
+)
 
 _IMAGE_WAITING_REASONS = {
     "ErrImagePull",
@@ -51,6 +56,18 @@ def true_condition(obj: Mapping[str, Any] | None, kind: str) -> dict[str, Any] |
         if condition.get("type") == kind and condition.get("status") == "True":
             return condition
     return None
+
+
+def queue_name_of(job: Mapping[str, Any] | None) -> str | None:
+    """The Kueue LocalQueue a Job (or Job manifest) is labelled for, if any."""
+    labels = ((job or {}).get("metadata") or {}).get("labels") or {}
+    name = labels.get(LABEL_QUEUE_NAME)
+    return str(name) if name else None
+
+
+def suspended(job: Mapping[str, Any] | None) -> bool:
+    """Whether a Job is suspended (for a Job of a Kueue LocalQueue: not admitted yet)."""
+    return bool(((job or {}).get("spec") or {}).get("suspend"))
 
 
 def _task_container_status(pod: Mapping[str, Any]) -> dict[str, Any]:
@@ -337,6 +354,9 @@ def job_status(
             True,
             failed.get("lastTransitionTime"),
         )
+    queue = queue_name_of(job)
+    if queue is not None and suspended(job) and pod is None:
+        return f"Queued: waiting for Kueue to admit it from LocalQueue {queue}", False, None
     if pod is not None:
         phase = pod_phase(pod) or "Pending"
         if phase == "Pending":

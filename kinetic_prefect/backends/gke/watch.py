@@ -72,6 +72,9 @@ class TrackedJob:
     counted: bool = False
     created_seq: int = 0
     created_at: float = 0.0
+    # When its Job was admitted (time.monotonic()): at creation, or when Kueue unsuspended
+    # it; None while it waits in a Kueue LocalQueue. The pending timeout counts from here.
+    admitted_at: float | None = None
     pod: dict[str, Any] | None = None
     pod_gone: bool = False
     job: dict[str, Any] | None = None

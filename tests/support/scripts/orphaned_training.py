@@ -9,6 +9,8 @@ kmock cluster; local backend without it), `ORPHANED_TRAINING_ORPHAN_TIMEOUT` the
 `orphan_timeout_seconds` (4), `ORPHANED_TRAINING_STEPS` the steps to train (60),
 `ORPHANED_TRAINING_PAUSE` the seconds between steps (0.2),
 `ORPHANED_TRAINING_TTL` the Jobs' `ttl_seconds_after_finished` on gke (2),
+`ORPHANED_TRAINING_QUEUE` the runner's Kueue `queue_name` and
+`ORPHANED_TRAINING_PENDING_TIMEOUT` its `pending_timeout_seconds` on gke (none, 600),
 `ORPHANED_TRAINING_WARM=1` gives the runner warm pods and has the flow run a short task
 first, so the training is the warm pod's second task, and `ORPHANED_TRAINING_GATE` names a
 file: a training that starts from step 0 stops after its second checkpoint until that file
@@ -78,6 +80,10 @@ def _runner() -> KineticTaskRunner:
     if not cluster:
         return KineticTaskRunner(**options)
     ttl = int(os.environ.get("ORPHANED_TRAINING_TTL") or 2)
+    options["queue_name"] = os.environ.get("ORPHANED_TRAINING_QUEUE") or None
+    options["pending_timeout_seconds"] = float(
+        os.environ.get("ORPHANED_TRAINING_PENDING_TIMEOUT") or 600
+    )
     return KineticTaskRunner(
         cluster=cluster, allow_loopback_api=True, ttl_seconds_after_finished=ttl, **options
     )

@@ -1,0 +1,226 @@
+"""Jobs that wait in a Kueue LocalQueue: whether a Job is queued, and where it stands.
+
+With `queue_name`, a Job is created suspended and labelled `kueue.x-k8s.io/queue-name`;
+Kueue makes a Workload for it (owned by the Job, labelled with its uid), reserves
+quota in the LocalQueue's ClusterQueue for all of its pods at once and admits it by
+unsuspending the Job (https://kueue.sigs.k8s.io/docs/tasks/run/jobs/). Until then the
+Job has no pod, and its wait is not pending time: the pending timeout counts from
+admission (see `kube_outcomes`).
+
+`QueueReader` says where each queued Job stands, as its pending reason: the queue,
+its position (from Kueue's visibility API, `pendingworkloads` of the LocalQueue,
+https://kueue.sigs.k8s.io/docs/tasks/manage/monitor_pending_workloads/pending_workloads_on_demand/)
+and why it is not admitted (the Workload's `QuotaReserved` condition). It costs no
+request per Job: while any Job of a namespace is queued, one listing of the
+namespace's Workloads and one visibility request per LocalQueue every
+`poll_seconds`; nothing when no Job is queued. Without the visibility API (not
+installed, or not granted) the position is the Job's place among the LocalQueue's
+pending Workloads of the listing, in Kueue's order (priority, then creation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from kubernetes_asyncio.client.exceptions import ApiException
+from prefect.logging import get_logger
+
+from kinetic_prefect.backends.gke.client import api_error_message, read_json
+from kinetic_prefect.backends.gke.status import queue_name_of, true_condition
+from kinetic_prefect.backends.gke.watch import TrackedJob
+
+logger = get_logger("kinetic_prefect.backends.gke.kueue")
+
+KUEUE_GROUP = "kueue.x-k8s.io"
+KUEUE_VERSION = "v1beta1"
+WORKLOADS = "workloads"
+VISIBILITY_GROUP = "visibility.kueue.x-k8s.io"
+# Kueue labels each Workload it makes for a Job with the Job's uid.
+LABEL_JOB_UID = "kueue.x-k8s.io/job-uid"
+PENDING_WORKLOADS_PATH = (
+    f"/apis/{VISIBILITY_GROUP}/{KUEUE_VERSION}/namespaces/{{namespace}}/localqueues/{{name}}"
+    "/pendingworkloads"
+)
+# How often the queued Jobs' Workloads are read while any Job is queued.
+QUEUE_POLL_SECONDS = 10.0
+
+
+def workload_of(workloads: list[dict[str, Any]], job_uid: str) -> dict[str, Any] | None:
+    """The Workload Kueue made for the Job of uid `job_uid` (owner, else its label)."""
+    for workload in workloads:
+        meta = workload.get("metadata") or {}
+        owners = {ref.get("uid") for ref in meta.get("ownerReferences") or []}
+        if job_uid in owners or (meta.get("labels") or {}).get(LABEL_JOB_UID) == job_uid:
+            return workload
+    return None
+
+
+def _order(workload: Mapping[str, Any]) -> tuple[int, str, str]:
+    meta = workload.get("metadata") or {}
+    priority = int((workload.get("spec") or {}).get("priority") or 0)
+    return (-priority, str(meta.get("creationTimestamp") or ""), str(meta.get("name") or ""))
+
+
+def listing_positions(workloads: list[dict[str, Any]]) -> dict[str, int]:
+    """Each pending Workload's place in its LocalQueue (0 first), by name, from a listing."""
+    by_queue: dict[str, list[dict[str, Any]]] = {}
+    for workload in workloads:
+        if true_condition(workload, "QuotaReserved") or true_condition(workload, "Finished"):
+            continue
+        by_queue.setdefault(str((workload.get("spec") or {}).get("queueName")), []).append(workload)
+    positions: dict[str, int] = {}
+    for pending in by_queue.values():
+        for index, workload in enumerate(sorted(pending, key=_order)):
+            positions[str(workload["metadata"]["name"])] = index
+    return positions
+
+
+def queued_message(
+    queue: str,
+    workload: Mapping[str, Any] | None,
+    position: Mapping[str, Any] | None,
+) -> str:
+    """The pending reason of a queued Job: its queue, position, and why it waits."""
+    text = f"queued in Kueue LocalQueue {queue}"
+    if workload is None:
+        return f"{text} (Kueue has not made its Workload yet)"
+    if position is not None:
+        text += f", position {int(position['positionInLocalQueue']) + 1} in the LocalQueue"
+        cluster = position.get("positionInClusterQueue")
+        if cluster is not None:
+            text += f" ({int(cluster) + 1} in its ClusterQueue)"
+    for kind in ("QuotaReserved", "Admitted"):
+        condition = next(
+            (
+                c
+                for c in ((workload.get("status") or {}).get("conditions") or [])
+                if c.get("type") == kind and c.get("status") == "False"
+            ),
+            None,
+        )
+        if condition is not None and condition.get("message"):
+            text += f": {condition['message']}"
+            break
+    requeue = (workload.get("status") or {}).get("requeueState") or {}
+    if requeue.get("requeueAt"):
+        text += f" (requeued after eviction; back in the queue at {requeue['requeueAt']})"
+    return text
+
+
+class QueueReader:
+    """Reports where each queued Job stands while any is queued (see the module docstring).
+
+    `report(job, reason)` is the backend's pending report; `api_client` is called for
+    the Kubernetes API client when reading.
+    """
+
+    def __init__(
+        self,
+        jobs: Mapping[str, TrackedJob],
+        api_client: Callable[[], Any],
+        report: Callable[[TrackedJob, str], None],
+        poll_seconds: float = QUEUE_POLL_SECONDS,
+    ) -> None:
+        self._jobs = jobs
+        self._api_client = api_client
+        self._report = report
+        self.poll_seconds = poll_seconds
+        self._wake = asyncio.Event()
+        # (namespace, LocalQueue) whose visibility API did not answer: read the listing only.
+        self._no_visibility: set[tuple[str, str]] = set()
+
+    def poke(self) -> None:
+        """A Job may have become queued: read soon."""
+        self._wake.set()
+
+    def _queued_jobs(self) -> list[TrackedJob]:
+        return [
+            job
+            for job in self._jobs.values()
+            if job.created and not job.done and not job.cancelled and job.admitted_at is None
+        ]
+
+    async def run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            started = time.monotonic()
+            waiting = self._queued_jobs()
+            if not waiting:
+                continue
+            by_namespace: dict[str, list[TrackedJob]] = {}
+            for job in waiting:
+                by_namespace.setdefault(job.namespace, []).append(job)
+            for namespace, jobs in by_namespace.items():
+                try:
+                    await self._read(namespace, jobs)
+                except Exception as exc:
+                    logger.warning(
+                        "Could not read the Kueue Workloads of namespace %s: %s",
+                        namespace,
+                        api_error_message(exc),
+                    )
+            # Read again after the interval while anything is still queued.
+            await asyncio.sleep(max(0.0, self.poll_seconds - (time.monotonic() - started)))
+            if self._queued_jobs():
+                self._wake.set()
+
+    async def _read(self, namespace: str, jobs: list[TrackedJob]) -> None:
+        from kubernetes_asyncio import client
+
+        api = self._api_client()
+        listing = await read_json(
+            await client.CustomObjectsApi(api).list_namespaced_custom_object(
+                KUEUE_GROUP, KUEUE_VERSION, namespace, WORKLOADS, _preload_content=False
+            )
+        )
+        workloads = list(listing.get("items") or [])
+        fallback = listing_positions(workloads)
+        positions: dict[str, Mapping[str, Any]] = {}
+        for queue in sorted({queue_name_of(job.manifest) or "" for job in jobs} - {""}):
+            positions.update(await self._positions(api, namespace, queue))
+        for job in jobs:
+            if job.done or job.admitted_at is not None:
+                continue
+            uid = str(((job.job or {}).get("metadata") or {}).get("uid") or "")
+            workload = workload_of(workloads, uid) if uid else None
+            name = str(((workload or {}).get("metadata") or {}).get("name") or "")
+            position = positions.get(name)
+            if position is None and name in fallback:
+                position = {"positionInLocalQueue": fallback[name]}
+            queue = queue_name_of(job.manifest) or queue_name_of(job.job) or "?"
+            self._report(job, queued_message(queue, workload, position))
+
+    async def _positions(self, api: Any, namespace: str, queue: str) -> dict[str, Any]:
+        """Pending Workloads of a LocalQueue by name, from the visibility API ({} without it)."""
+        if (namespace, queue) in self._no_visibility:
+            return {}
+        try:
+            summary = await read_json(
+                await api.call_api(
+                    PENDING_WORKLOADS_PATH,
+                    "GET",
+                    {"namespace": namespace, "name": queue},
+                    [],
+                    {"Accept": "application/json"},
+                    auth_settings=["BearerToken"],
+                    _preload_content=False,
+                )
+            )
+        except ApiException as exc:
+            logger.info(
+                "Kueue's visibility API did not answer for LocalQueue %s/%s (%s); queue "
+                "positions come from the Workloads' order instead",
+                namespace,
+                queue,
+                api_error_message(exc),
+            )
+            self._no_visibility.add((namespace, queue))
+            return {}
+        return {
+            str((item.get("metadata") or {}).get("name")): item
+            for item in summary.get("items") or []
+        }

@@ -1,0 +1,363 @@
+"""Jobs that wait in a Kueue LocalQueue (`queue_name`) on the emulated cluster and its test Kueue.
+
+The queues are the ones docs/kueue.md tells users to apply (tests/support/kueue.py admits
+by their quota): 16 chips of tpu-v5e-4, so 4 pods at once, and 16 chips of tpu-v5e-16.
+What ran when comes from the cluster's own event history.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import re
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prefect import flow, get_client, task, unmapped
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+from tests.emulated.test_kubernetes_backend import _runner
+from tests.runner.test_multihost import CPU_JAX, gather_host_indices_and_pids
+from tests.support.kube import NAMESPACE, KubeCluster
+from tests.support.kube_objects import gke_nodes
+from tests.support.waiting import wait_until
+
+pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "kueue.md"
+QUEUE = "tpu"
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+PENDING_TIMEOUT = 3.0
+POSITION = re.compile(r"queued in Kueue LocalQueue tpu, position (\d+) in the LocalQueue")
+# Kueue's message for a Workload that does not fit the quota left.
+NO_QUOTA = (
+    "couldn't assign flavors to pod set main: insufficient unused quota for google.com/tpu "
+    "in flavor tpu-v5e-4, 4 more needed"
+)
+
+
+def _documented_queues(cluster: KubeCluster) -> None:
+    """Apply the ResourceFlavors, ClusterQueue and LocalQueue of docs/kueue.md."""
+    from tests.support.standins import apply, manifests
+
+    section = DOCS.read_text().split("## A queue for a TPU node pool", 1)[1]
+    text = section.split("```yaml\n", 1)[1].split("```", 1)[0]
+    apply(cluster.admin, NAMESPACE, manifests(text))
+
+
+@task
+def hold(index: int, gate: str) -> int:
+    pause = threading.Event()
+    while not Path(gate).exists():
+        pause.wait(0.05)
+    return index
+
+
+def _messages(task_run_id: object) -> list[str]:
+    with get_client(sync_client=True) as client:
+        states = client.read_task_run_states(task_run_id)  # type: ignore[arg-type]
+    return [s.message or "" for s in sorted(states, key=lambda s: s.timestamp)]
+
+
+def _positions(task_run_ids: list[object]) -> dict[object, list[int]]:
+    """The queue positions each task run's Pending messages showed, in order."""
+    return {
+        run: [int(m.group(1)) for text in _messages(run) if (m := POSITION.search(text))]
+        for run in task_run_ids
+    }
+
+
+def _admitted_at_once(cluster: KubeCluster) -> int:
+    """From the cluster's Job events: the most Jobs unsuspended and not finished at once."""
+    admitted: set[str] = set()
+    most = 0
+    for _, resource, event in cluster.call(lambda: list(cluster.emulator.events)):
+        if resource.plural != "jobs":
+            continue
+        job = event["object"]
+        name = job["metadata"]["name"]
+        finished = any(
+            c["type"] in {"Complete", "Failed"} and c["status"] == "True"
+            for c in (job.get("status") or {}).get("conditions") or []
+        )
+        if event["type"] == "DELETED" or finished or job["spec"].get("suspend"):
+            admitted.discard(name)
+        else:
+            admitted.add(name)
+        most = max(most, len(admitted))
+    return most
+
+
+def _tpu_v5e_4_cluster(cluster: KubeCluster) -> None:
+    cluster.kubelet.nodes = gke_nodes("tpu-v5e-4", "tpu-v5e-4", 4)
+    _documented_queues(cluster)
+
+
+@pytest.mark.slow
+def test_a_twenty_task_map_waits_in_the_queue_and_runs_four_at_a_time(gke, cluster, workdir):
+    _tpu_v5e_4_cluster(cluster)
+    gate = workdir / "gate"
+
+    @flow(task_runner=_runner(gke, accelerator="tpu-v5e-4", queue_name=QUEUE))
+    def sweep() -> tuple[list[int], dict[object, list[int]]]:
+        futures = hold.map(range(20), gate=unmapped(str(gate)))
+        runs = [f.task_run_id for f in futures]
+        # Four run at the gate; the other sixteen wait in the queue and say where.
+        shown = wait_until(
+            lambda: (p := _positions(runs)) and sum(1 for v in p.values() if v) >= 16 and p,
+            90,
+            "16 task runs to show their queue position",
+        )
+        gate.touch()
+        return [f.result() for f in futures], shown
+
+    results, shown = sweep()
+
+    jobs = cluster.created_jobs()
+    assert results == list(range(20))
+    assert len(jobs) == 20
+    assert all(j["spec"]["suspend"] is True for j in jobs)
+    assert all(j["metadata"]["labels"][QUEUE_LABEL] == QUEUE for j in jobs)
+    assert _admitted_at_once(cluster) == 4
+    # Sixteen waited for quota; one of the first four may have been read in the queue too.
+    queued = [run for run, p in shown.items() if p]
+    assert len(queued) >= 16
+    assert all(1 <= position <= 20 for run in queued for position in shown[run])
+    assert sum(any(NO_QUOTA in m for m in _messages(run)) for run in queued) >= 16
+
+
+@pytest.mark.slow
+def test_a_flow_cancelled_while_jobs_are_queued_leaves_no_suspended_job_or_workload(
+    gke, cluster, workdir
+):
+    _tpu_v5e_4_cluster(cluster)
+    leave = workdir / "leave"
+
+    @flow(task_runner=_runner(gke, accelerator="tpu-v5e-4", queue_name=QUEUE))
+    def leave_them_queued() -> list[object]:
+        futures = hold.map(range(6), gate=unmapped(str(workdir / "never")))
+        wait_until(leave.exists, 120, "the test to have seen the queue")
+        return [f.task_run_id for f in futures]
+
+    running = _in_background(leave_them_queued)
+    wait_until(
+        lambda: (
+            _suspended(cluster) == 2 and len(cluster.pods()) == 4 and len(cluster.workloads()) == 6
+        ),
+        90,
+        "4 pods running, and 2 Jobs queued with their Workloads",
+    )
+    leave.touch()
+    runs = running.result(timeout=120)
+
+    wait_until(
+        lambda: cluster.jobs() == [] and cluster.workloads() == [],
+        60,
+        "every Job and Workload to be deleted",
+    )
+    with get_client(sync_client=True) as client:
+        states = [client.read_task_run(run).state for run in runs]  # type: ignore[arg-type]
+    assert [s.type.value for s in states] == ["CANCELLED"] * 6  # type: ignore[union-attr]
+
+
+def _in_background(fn: Any) -> concurrent.futures.Future[Any]:
+    """Run a flow in a thread of its own while the test watches the cluster.
+
+    The flow's own code never touches the emulated cluster: whatever a flow closes over
+    travels with its tasks' context.
+    """
+    executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flow")
+    running = executor.submit(fn)
+    executor.shutdown(wait=False)
+    return running
+
+
+def _suspended(cluster: KubeCluster) -> int:
+    return sum(1 for job in cluster.jobs() if job["spec"].get("suspend"))
+
+
+@pytest.mark.slow
+def test_queued_longer_than_the_pending_timeout_the_task_still_runs(gke, cluster, workdir):
+    _tpu_v5e_4_cluster(cluster)
+    gate = workdir / "gate"
+    runner = _runner(
+        gke, accelerator="tpu-v5e-4", queue_name=QUEUE, pending_timeout_seconds=PENDING_TIMEOUT
+    )
+
+    @flow(task_runner=runner)
+    def one_too_many() -> list[int]:
+        futures = hold.map(range(5), gate=unmapped(str(gate)))
+        return [f.result() for f in futures]
+
+    running = _in_background(one_too_many)
+
+    def queued_past_the_timeout() -> bool:
+        waiting = [j for j in cluster.jobs() if j["spec"].get("suspend")]
+        return len(waiting) == 1 and _age(waiting[0]) > 2 * PENDING_TIMEOUT
+
+    wait_until(queued_past_the_timeout, 90, "a Job queued for twice the pending timeout")
+    gate.touch()
+
+    assert running.result(timeout=120) == [0, 1, 2, 3, 4]
+
+
+def _age(job: dict[str, Any]) -> float:
+    import datetime
+
+    created = datetime.datetime.fromisoformat(
+        job["metadata"]["creationTimestamp"].replace("Z", "+00:00")
+    )
+    return (datetime.datetime.now(datetime.UTC) - created).total_seconds()
+
+
+@pytest.mark.slow
+def test_a_multi_host_slice_is_one_workload_admitted_whole(gke, cluster):
+    cluster.kubelet.nodes = gke_nodes("v5e-16", "tpu-v5e-16", 4)
+    _documented_queues(cluster)
+
+    @flow(task_runner=_runner(gke, accelerator="tpu-v5e-16", env=CPU_JAX, queue_name=QUEUE))
+    def run() -> dict[str, object]:
+        return gather_host_indices_and_pids.submit().result()
+
+    result = run()
+
+    (job,) = cluster.created_jobs()
+    (workload,) = cluster.workloads()
+    (pod_set,) = workload["spec"]["podSets"]
+    (assignment,) = workload["status"]["admission"]["podSetAssignments"]
+    assert result["processes"] == 4
+    assert job["spec"]["suspend"] is True
+    assert (pod_set["count"], assignment["count"]) == (4, 4)
+    assert assignment["flavors"]["google.com/tpu"] == "tpu-v5e-16"
+    assert assignment["resourceUsage"]["google.com/tpu"] == "16"
+    assert _pods_created_after_admission(cluster, job["metadata"]["name"]) == 4
+
+
+def _pods_created_after_admission(cluster: KubeCluster, job_name: str) -> int:
+    """How many of the Job's pods were created, all after it was unsuspended (else -1)."""
+    admitted = False
+    created = 0
+    for _, resource, event in cluster.call(lambda: list(cluster.emulator.events)):
+        obj = event["object"]
+        if resource.plural == "jobs" and obj["metadata"]["name"] == job_name:
+            admitted = admitted or not obj["spec"].get("suspend")
+        elif resource.plural == "pods" and event["type"] == "ADDED":
+            owner = (obj["metadata"].get("labels") or {}).get("job-name")
+            if owner == job_name:
+                if not admitted:
+                    return -1
+                created += 1
+    return created
+
+
+def test_kinetic_jobs_ls_shows_a_queued_job_as_queued(gke, cluster, workdir):
+    from kinetic_prefect.backends.gke.client import connect, run_sync
+    from kinetic_prefect.backends.gke.jobs import list_kinetic_jobs
+
+    _tpu_v5e_4_cluster(cluster)
+    gate = workdir / "gate"
+
+    @flow(task_runner=_runner(gke, accelerator="tpu-v5e-4", queue_name=QUEUE))
+    def five() -> list[int]:
+        return [f.result() for f in hold.map(range(5), gate=unmapped(str(gate)))]
+
+    running = _in_background(five)
+    wait_until(
+        lambda: _suspended(cluster) == 1 and len(cluster.pods()) == 4,
+        90,
+        "4 pods and a queued Job",
+    )
+
+    async def listing() -> list[str]:
+        access = await connect()
+        try:
+            return [s.status for s in await list_kinetic_jobs(access, NAMESPACE)]
+        finally:
+            await access.close()
+
+    statuses = run_sync(listing())
+    gate.touch()
+    running.result(timeout=120)
+
+    assert statuses.count("Queued: waiting for Kueue to admit it from LocalQueue tpu") == 1
+
+
+def _flow_run_messages(flow_run_id: str) -> list[str]:
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[uuid.UUID(flow_run_id)]))
+        )
+    return [text for run in runs for text in _messages(run.id)]
+
+
+CPU_QUEUES = """
+apiVersion: kueue.x-k8s.io/v1beta1
+kind: ResourceFlavor
+metadata:
+  name: default-flavor
+---
+apiVersion: kueue.x-k8s.io/v1beta1
+kind: ClusterQueue
+metadata:
+  name: cpu
+spec:
+  namespaceSelector: {}
+  resourceGroups:
+    - coveredResources: ["cpu", "memory"]
+      flavors:
+        - name: default-flavor
+          resources:
+            - name: cpu
+              nominalQuota: {cpu}
+            - name: memory
+              nominalQuota: 16Gi
+---
+apiVersion: kueue.x-k8s.io/v1beta1
+kind: LocalQueue
+metadata:
+  name: cpu
+spec:
+  clusterQueue: cpu
+"""
+
+
+def _cpu_quota(cluster: KubeCluster, cpus: int) -> None:
+    from tests.support.standins import apply, manifests
+
+    apply(cluster.admin, NAMESPACE, manifests(CPU_QUEUES.replace("{cpu}", str(cpus))))
+
+
+@pytest.mark.slow
+def test_a_restarted_flow_process_adopts_its_queued_job_and_keeps_waiting(
+    gke: str, cluster: KubeCluster, gcs: object
+):
+    from tests.emulated.test_reattach import RESTART, _kill, _orchestrator, _result
+
+    _cpu_quota(cluster, 0)
+    options = {**RESTART, "queue": "cpu", "pending_timeout": PENDING_TIMEOUT}
+    first = _orchestrator("new", cluster=gke, **options)
+    flow_run_id = first.stdout.readline().split()[-1]  # type: ignore[union-attr]
+    wait_until(lambda: [j for j in cluster.jobs() if j["spec"].get("suspend")], 90, "a queued Job")
+    _kill(first)
+
+    second = _orchestrator("again", flow_run_id, cluster=gke, **options)
+    wait_until(
+        lambda: any(m.startswith("Reattached") for m in _flow_run_messages(flow_run_id)),
+        120,
+        "the restarted flow process to adopt the queued Job",
+    )
+    adopted = time.monotonic()
+    wait_until(
+        lambda: time.monotonic() - adopted > 2 * PENDING_TIMEOUT and second.poll() is None,
+        30,
+        "the adopted Job to stay queued past the pending timeout",
+    )
+    _cpu_quota(cluster, 8)
+    (Path.cwd() / "gate").touch()
+    resumed_from = _result(second)
+
+    assert resumed_from == 0
+    assert len(cluster.created_jobs()) == 1

@@ -1,0 +1,99 @@
+"""Kueue without a cluster: the queued Job's manifest, how it reads, and what the runner may ask."""
+
+from __future__ import annotations
+
+import kubernetes_validate
+import pytest
+
+from kinetic_prefect.backends.gke.kueue import listing_positions, queued_message, workload_of
+from kinetic_prefect.backends.gke.permissions import RUNNER_ACCESS, needed_access
+from kinetic_prefect.backends.gke.status import job_status
+from kinetic_prefect.errors import ConfigurationError
+from kinetic_prefect.launch.settings import resolve_settings
+from kinetic_prefect.launch.slices import build_workload
+from tests.unit.test_manifest import _spec
+
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+
+
+def _workload(name: str, created: str, job_uid: str, reserved: bool = False) -> dict:
+    conditions = [{"type": "QuotaReserved", "status": "True" if reserved else "False",
+                   "message": "couldn't assign flavors to pod set main: insufficient unused "
+                   "quota for google.com/tpu in flavor tpu-v5e-4, 4 more needed"}]  # fmt: skip
+    return {
+        "metadata": {
+            "name": name,
+            "creationTimestamp": created,
+            "ownerReferences": [{"kind": "Job", "uid": job_uid}],
+        },
+        "spec": {"queueName": "tpu", "priority": 0},
+        "status": {"conditions": conditions},
+    }
+
+
+@pytest.mark.parametrize("accelerator", ["tpu-v5e-4", "tpu-v5e-16"])
+def test_a_queued_job_is_one_suspended_job_labelled_for_its_local_queue(accelerator: str):
+    workload = build_workload(_spec(accelerator, queue_name="tpu"))
+
+    job = workload.job
+    assert job["metadata"]["labels"][QUEUE_LABEL] == "tpu"
+    assert job["spec"]["suspend"] is True
+    assert QUEUE_LABEL not in job["spec"]["template"]["metadata"]["labels"]
+    kubernetes_validate.validate(job, kubernetes_validate.latest_version(), strict=True)
+
+
+def test_without_a_queue_name_a_job_is_neither_suspended_nor_labelled():
+    job = build_workload(_spec("tpu-v5e-4")).job
+
+    assert "suspend" not in job["spec"]
+    assert QUEUE_LABEL not in job["metadata"]["labels"]
+
+
+def test_a_queue_name_that_is_not_a_local_queue_name_is_refused_with_the_fix():
+    with pytest.raises(ConfigurationError, match="kubectl get localqueues"):
+        resolve_settings(runner={"queue_name": "TPU queue"}, environ={})
+
+
+def test_queue_name_comes_from_the_environment_like_every_setting():
+    assert resolve_settings(environ={"KINETIC_QUEUE_NAME": "tpu"}).queue_name == "tpu"
+
+
+def test_jobs_ls_shows_a_suspended_job_of_a_queue_as_queued():
+    job = build_workload(_spec("tpu-v5e-4", queue_name="tpu")).job
+
+    status, finished, _ = job_status(job, None)
+
+    assert (status, finished) == (
+        "Queued: waiting for Kueue to admit it from LocalQueue tpu",
+        False,
+    )
+
+
+def test_the_message_names_queue_position_and_kueues_reason():
+    workload = _workload("job-a", "2026-01-01T00:00:01Z", "uid-a")
+
+    text = queued_message("tpu", workload, {"positionInLocalQueue": 2, "positionInClusterQueue": 5})
+
+    assert text == (
+        "queued in Kueue LocalQueue tpu, position 3 in the LocalQueue (6 in its ClusterQueue): "
+        "couldn't assign flavors to pod set main: insufficient unused quota for google.com/tpu "
+        "in flavor tpu-v5e-4, 4 more needed"
+    )
+
+
+def test_without_the_visibility_api_positions_follow_creation_among_pending_workloads():
+    workloads = [
+        _workload("job-c", "2026-01-01T00:00:03Z", "uid-c"),
+        _workload("job-a", "2026-01-01T00:00:01Z", "uid-a", reserved=True),
+        _workload("job-b", "2026-01-01T00:00:02Z", "uid-b"),
+    ]
+
+    assert listing_positions(workloads) == {"job-b": 0, "job-c": 1}
+    assert workload_of(workloads, "uid-c") is workloads[0]
+
+
+def test_doctor_asks_for_kueue_verbs_only_of_a_runner_with_a_queue_name():
+    kueue = {a for a in RUNNER_ACCESS if "kueue" in a.group}
+
+    assert kueue and not kueue & set(needed_access(resolve_settings(environ={})))
+    assert kueue <= set(needed_access(resolve_settings(runner={"queue_name": "tpu"}, environ={})))
