@@ -9,7 +9,7 @@ import os
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_TO_API_BATCH_INTERVAL", "0.3")
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -133,25 +133,32 @@ def suite_environment(gcs_server: str, shipped_requirements: Path) -> str:
     test, so no test's timing includes the upload; the tests still go through
     the same lookup, and every pod still unpacks or finds it on its node.
     """
+    with pytest.MonkeyPatch.context() as patch:
+        return upload_suite_environment(gcs_server, shipped_requirements, patch.setenv)
+
+
+def upload_suite_environment(
+    gcs_server: str, requirements: Path, setenv: Callable[[str, str], None]
+) -> str:
+    """Build or find the environment of `requirements` and upload it, as an administrator."""
     from google.api_core.exceptions import Conflict
 
     from kinetic_prefect.backends.environments import ENVIRONMENTS
     from kinetic_prefect.common import gcs as kgcs
     from kinetic_prefect.launch.accelerators import parse_accelerator
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("STORAGE_EMULATOR_HOST", gcs_server)
-        kgcs._clients.clear()
-        with contextlib.suppress(Conflict):
-            kgcs.storage_client().create_bucket(ENVIRONMENTS_BUCKET)
-        plan = ENVIRONMENTS.plan(
-            Path(__file__).resolve().parents[1],
-            parse_accelerator("cpu"),
-            requirements=str(shipped_requirements),
-            extras=(),
-        )
-        ENVIRONMENTS.ensure(plan, kgcs.GcsStore(f"gs://{ENVIRONMENTS_BUCKET}"), None)
-        kgcs._clients.clear()
+    setenv("STORAGE_EMULATOR_HOST", gcs_server)
+    kgcs._clients.clear()
+    with contextlib.suppress(Conflict):
+        kgcs.storage_client().create_bucket(ENVIRONMENTS_BUCKET)
+    plan = ENVIRONMENTS.plan(
+        Path(__file__).resolve().parents[1],
+        parse_accelerator("cpu"),
+        requirements=str(requirements),
+        extras=(),
+    )
+    ENVIRONMENTS.ensure(plan, kgcs.GcsStore(f"gs://{ENVIRONMENTS_BUCKET}"), None)
+    kgcs._clients.clear()
     return f"gs://{ENVIRONMENTS_BUCKET}"
 
 
@@ -162,13 +169,9 @@ def gcs_iam(gcs_server: str, gcs_endpoint: str) -> Iterator[IamProxy]:
     Every client of the test reaches `gcs_endpoint` through it, with the grants
     docs/kubernetes.md tells users to make (added per bucket by `gcs`).
     """
-    from kinetic_prefect.common.gcs import EMULATOR_PROJECT
-    from tests.support.gcs_iam import IamProxy, documented_workload_identity_users
+    from tests.support.gcs_iam import strict_gcs
 
-    with IamProxy(gcs_endpoint, lookup=gcs_server, project=EMULATOR_PROJECT) as proxy:
-        proxy.workload_identity_users = documented_workload_identity_users(
-            {"PROJECT": EMULATOR_PROJECT}
-        )
+    with strict_gcs(gcs_endpoint, lookup=gcs_server) as proxy:
         yield proxy
 
 
@@ -176,12 +179,22 @@ def gcs_iam(gcs_server: str, gcs_endpoint: str) -> Iterator[IamProxy]:
 def gcs(
     gcs_server: str, gcs_iam: IamProxy, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[GcsTestBucket]:
-    """Emulator mode for this process and its pods, with a fresh bucket.
+    """Emulator mode for this process and its pods, with a fresh bucket (`documented_bucket`)."""
+    from kinetic_prefect.common import gcs as kgcs
+
+    yield documented_bucket(gcs_server, gcs_iam, monkeypatch.setenv)
+    kgcs._clients.clear()
+
+
+def documented_bucket(
+    gcs_server: str, iam: IamProxy, setenv: Callable[[str, str], None]
+) -> GcsTestBucket:
+    """A fresh bucket with the documented grants; this process acts as the user.
 
     The bucket is made by an administrator (straight to the emulator); the test
-    process then acts as the user, and its pods as their service accounts, with
-    the documented grants on it (jobs and results bucket at once) and on the
-    environments bucket.
+    process then acts as the user (`setenv` points its clients at the user's port),
+    and its pods as their service accounts, with the documented grants on it (jobs
+    and results bucket at once) and on the environments bucket.
     """
     import uuid
 
@@ -190,13 +203,13 @@ def gcs(
     from kinetic_prefect.common import gcs as kgcs
     from tests.support.gcs_iam import USER_MEMBER, documented_grants
 
-    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_server)
+    setenv("STORAGE_EMULATOR_HOST", gcs_server)
     kgcs._clients.clear()
     admin = kgcs.storage_client()
     bucket = admin.create_bucket(f"kp-{uuid.uuid4().hex[:12]}")
     with contextlib.suppress(Conflict):
         admin.create_bucket(ENVIRONMENTS_BUCKET)
-    gcs_iam.grant(
+    iam.grant(
         documented_grants(
             {
                 "JOBS_BUCKET": bucket.name,
@@ -206,23 +219,22 @@ def gcs(
             }
         )
     )
-    user_endpoint = gcs_iam.endpoint(USER_MEMBER)
+    user_endpoint = iam.endpoint(USER_MEMBER)
     emulator_env = {
         "STORAGE_EMULATOR_HOST": user_endpoint,
         "TENSORSTORE_GCS_HTTP_URL": user_endpoint,
     }
     for name, value in emulator_env.items():
-        monkeypatch.setenv(name, value)
+        setenv(name, value)
     kgcs._clients.clear()
-    yield GcsTestBucket(
+    return GcsTestBucket(
         name=bucket.name,
         client=admin,
         # The kubelet gives each pod its own identity's port in place of this address.
         pod_env=emulator_env,
         environment_store=f"gs://{ENVIRONMENTS_BUCKET}",
-        iam=gcs_iam,
+        iam=iam,
     )
-    kgcs._clients.clear()
 
 
 @dataclasses.dataclass

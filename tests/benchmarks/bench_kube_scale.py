@@ -1,42 +1,56 @@
-"""A map of N tasks on the emulated Kubernetes cluster, with pods that really run.
+"""A map of N tasks on the emulated cluster with NODES TPU nodes, on cold and on warm pods.
 
-Run: `.venv/bin/python tests/benchmarks/bench_kube_scale.py [N] [MAX_PARALLEL]` (100, 4).
+Run: `.venv/bin/python tests/benchmarks/bench_kube_scale.py [N] [NODES]` (100, 8).
 
-The kmock API server, the test kubelet (which runs every pod's container on this
-machine), fake-gcs-server behind a counting proxy for the jobs bucket and the
-results, and a real Prefect API, as in the tests. The same map runs on cold pods
-(one Job per task) and on warm pods (`warm_pods=True`), and the table prints, per
-task: the runner's Kubernetes API requests (the test kubelet's own are not
-counted) and the GCS requests of the runner and its pods together.
+The real parts of the tests: the kmock API server with the test kubelet, whose node
+pool has NODES `tpu-v5e-4` nodes (one pod each; the rest wait for capacity), pods
+that really run, fake-gcs-server behind the IAM proxy with the documented grants,
+and a real Prefect API behind a request counter. The flow runs in a process of its
+own, so its CPU time is the runner's alone; the same map on Prefect's
+`ThreadPoolTaskRunner`, in the same kind of process, is the baseline.
+
+Per task: the runner's Kubernetes API requests (the kubelet's are not counted), GCS
+requests of the runner and its pods together (every request the IAM proxy received),
+Prefect API requests of the runner and its pods, and the flow process's CPU time.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
-from prefect import flow, task  # noqa: E402
-from prefect.futures import wait  # noqa: E402
-from prefect.testing.utilities import prefect_test_harness  # noqa: E402
-
-from kinetic_prefect import KineticTaskRunner  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
+ACCELERATOR = "tpu-v5e-4"
 
 
-@task
-def plus_one(x: int) -> int:
-    return x + 1
+def run_flow(runner_kind: str, n: int) -> None:
+    """In the flow process: map `plus_one` over range(n), print states and CPU as JSON."""
+    from prefect import flow, task
+    from prefect.futures import wait
+    from prefect.task_runners import ThreadPoolTaskRunner
 
+    from kinetic_prefect import KineticTaskRunner
 
-def _run(cluster_name: str, n: int, max_parallel: int, warm: bool) -> tuple[list[str], float]:
-    runner = KineticTaskRunner(
-        cluster=cluster_name, allow_loopback_api=True, max_parallel=max_parallel, warm_pods=warm
-    )
+    @task
+    def plus_one(x: int) -> int:
+        return x + 1
+
+    if runner_kind == "threads":
+        runner = ThreadPoolTaskRunner()
+    else:
+        runner = KineticTaskRunner(
+            cluster=os.environ["KINETIC_CLUSTER"],
+            accelerator=ACCELERATOR,
+            allow_loopback_api=True,
+            warm_pods=runner_kind == "warm",
+        )
 
     @flow(task_runner=runner)
     def fan_out(n: int) -> tuple[list[str], list[int]]:
@@ -45,65 +59,99 @@ def _run(cluster_name: str, n: int, max_parallel: int, warm: bool) -> tuple[list
         states = [f.state.type.value for f in futures]
         return states, [f.result() for f in futures if f.state.is_completed()]
 
-    started = time.perf_counter()
+    cpu, wall = time.process_time(), time.perf_counter()
     states, values = fan_out(n)
-    took = time.perf_counter() - started
-    if values != [x + 1 for x in range(n)]:
-        raise AssertionError(f"wrong or missing results: {states}")
-    return states, took
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    print(json.dumps({"states": states, "right": values == [x + 1 for x in range(n)], "cpu": cpu, "wall": wall}))
 
 
-def main(n: int = 100, max_parallel: int = 4) -> None:
-    from kinetic_prefect.common import gcs as kgcs
-    from tests.conftest import GcsTestBucket
-    from tests.support.clusters import gcs_cluster
-    from tests.support.gcs import FaultInjectingProxy, fake_gcs_server
+def _flow_process(runner_kind: str, n: int, env: dict[str, str], cwd: Path) -> dict[str, object]:
+    completed = subprocess.run(
+        [sys.executable, __file__, "--flow", runner_kind, str(n)],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    lines = [line for line in completed.stdout.splitlines() if line.startswith("{")]
+    if completed.returncode != 0 or not lines:
+        raise RuntimeError(f"The {runner_kind} flow failed:\n{completed.stderr[-5000:]}")
+    result: dict[str, object] = json.loads(lines[-1])
+    if not result["right"]:
+        raise AssertionError(f"wrong or missing results: {result['states']}")
+    return result
+
+
+def main(n: int = 100, nodes: int = 8) -> None:
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    from tests.conftest import documented_bucket, upload_suite_environment
+    from tests.support.clusters import SHIPPED_REQUIREMENTS, gcs_cluster
+    from tests.support.gcs import fake_gcs_server
+    from tests.support.gcs_iam import strict_gcs
     from tests.support.kube import running_cluster
+    from tests.support.kube_objects import gke_nodes
+    from tests.support.request_counter import RequestCounter
 
     workdir = Path(tempfile.mkdtemp(prefix="kinetic-kube-scale-"))
-    os.chdir(workdir)
     rows = []
     with (
         prefect_test_harness(server_startup_timeout=120),
-        fake_gcs_server() as upstream,
-        FaultInjectingProxy(upstream, every=None) as proxy,
+        RequestCounter(PREFECT_API_URL.value()) as prefect_api,
+        fake_gcs_server() as gcs_server,
+        strict_gcs(gcs_server) as iam,
     ):
-        emulator_env = {"STORAGE_EMULATOR_HOST": proxy.url, "TENSORSTORE_GCS_HTTP_URL": proxy.url}
-        os.environ.update(emulator_env)
-        kgcs._clients.clear()
-        client = kgcs.storage_client()
-        for label, warm in (("cold", False), ("warm", True)):
+        upload_suite_environment(gcs_server, SHIPPED_REQUIREMENTS, os.environ.__setitem__)
+        bucket = documented_bucket(gcs_server, iam, os.environ.__setitem__)
+        env = {**os.environ, "PREFECT_API_URL": prefect_api.url, "PYTHONPATH": str(ROOT)}
+        baseline = _flow_process("threads", n, env, workdir)
+        for label in ("cold", "warm"):
             with running_cluster(workdir / label) as cluster:
-                os.environ["KUBECONFIG"] = str(cluster.kubeconfig)
-                bucket = client.create_bucket(f"kp-scale-{uuid.uuid4().hex[:10]}")
-                name = gcs_cluster(
-                    GcsTestBucket(bucket.name, client, emulator_env), f"scale-{label}", "gke"
+                cluster.kubelet.nodes[:] = gke_nodes("tpu-pool", ACCELERATOR, nodes)
+                name = gcs_cluster(bucket, f"scale-{label}", "gke")
+                kube_before = len(cluster.client_requests())
+                gcs_before, prefect_before = len(iam.requests), prefect_api.total
+                result = _flow_process(
+                    label,
+                    n,
+                    {**env, "KUBECONFIG": str(cluster.kubeconfig), "KINETIC_CLUSTER": name},
+                    workdir,
                 )
-                kube_before, gcs_before = len(cluster.client_requests()), proxy.requests
-                states, took = _run(name, n, max_parallel, warm)
-                kube = len(cluster.client_requests()) - kube_before
                 rows.append(
                     (
                         label,
-                        states.count("COMPLETED"),
-                        took,
+                        result["states"].count("COMPLETED"),  # type: ignore[attr-defined]
+                        result["wall"],
+                        cluster.kubelet.most_bound.get("tpu-pool", 0),
                         len(cluster.created_jobs()),
-                        kube / n,
-                        (proxy.requests - gcs_before) / n,
+                        (len(cluster.client_requests()) - kube_before) / n,
+                        (len(iam.requests) - gcs_before) / n,
+                        (prefect_api.total - prefect_before) / n,
+                        1000 * result["cpu"] / n,  # type: ignore[operator]
                     )
                 )
 
-    print(f"\n{n}-task map on the emulated cluster, max_parallel={max_parallel}, pods run")
+    base_cpu = 1000 * baseline["cpu"] / n  # type: ignore[operator]
+    print(f"\n{n}-task map of a trivial task, {nodes} {ACCELERATOR} nodes, pods run")
     print(
-        f"{'pods':<6}{'completed':>10}{'wall s':>9}{'per task s':>12}{'Jobs':>6}"
-        f"{'k8s req/task':>14}{'GCS req/task':>14}"
+        f"{'pods':<6}{'done':>6}{'wall s':>8}{'pods at once':>14}{'Jobs':>6}{'k8s/task':>10}"
+        f"{'GCS/task':>10}{'Prefect/task':>14}{'CPU ms/task':>13}{'vs threads':>12}"
     )
-    for label, completed, took, jobs, kube, gcs_requests in rows:
+    for label, done, wall, at_once, jobs, kube, gcs_requests, prefect, cpu in rows:
         print(
-            f"{label:<6}{completed:>10}{took:>9.1f}{took / n:>12.3f}{jobs:>6}"
-            f"{kube:>14.2f}{gcs_requests:>14.1f}"
+            f"{label:<6}{done:>6}{wall:>8.1f}{at_once:>14}{jobs:>6}{kube:>10.2f}"
+            f"{gcs_requests:>10.1f}{prefect:>14.1f}{cpu:>13.1f}{cpu / base_cpu:>11.1f}x"
         )
+    print(
+        f"{'threads':<6}{n:>6}{baseline['wall']:>8.1f}{'-':>14}{'-':>6}{'-':>10}{'-':>10}"
+        f"{'-':>14}{base_cpu:>13.1f}{1:>11.1f}x"
+    )
 
 
 if __name__ == "__main__":
-    main(*(int(a) for a in sys.argv[1:3]))
+    if sys.argv[1:2] == ["--flow"]:
+        run_flow(sys.argv[2], int(sys.argv[3]))
+    else:
+        main(*(int(a) for a in sys.argv[1:3]))

@@ -337,6 +337,8 @@ class IamProxy:
         self.tokens: dict[str, str] = {}
         # Every caller a request was forwarded for.
         self.callers: set[str] = set()
+        # (member, method, path) of every request received, in order.
+        self.requests: list[tuple[str, str, str]] = []
         self._servers: dict[str, http.server.ThreadingHTTPServer] = {}
         self._lock = threading.Lock()
 
@@ -412,9 +414,12 @@ class IamProxy:
 
             @property
             def member(self) -> str:
-                token = (self.headers.get("Authorization") or "").removeprefix("Bearer ")
                 with proxy._lock:
-                    return proxy.tokens.get(token.strip(), port_member)
+                    return self.member_unlocked()
+
+            def member_unlocked(self) -> str:
+                token = (self.headers.get("Authorization") or "").removeprefix("Bearer ")
+                return proxy.tokens.get(token.strip(), port_member)
 
             def log_message(self, *args: object) -> None:
                 return
@@ -441,6 +446,8 @@ class IamProxy:
                 self._answer(200, json.dumps(answer).encode())
 
             def _handle(self) -> None:
+                with proxy._lock:
+                    proxy.requests.append((self.member_unlocked(), self.command, self.path))
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
                 try:
@@ -509,3 +516,14 @@ class IamProxy:
         if annotation and (account, annotation) in self.workload_identity_users:
             return f"serviceAccount:{annotation}"
         return f"principal:{self.project}.svc.id.goog[{namespace}/{account}]"
+
+
+@contextmanager
+def strict_gcs(endpoint: str, lookup: str | None = None) -> Iterator[IamProxy]:
+    """An `IamProxy` in front of `endpoint` that lets the documented Kubernetes accounts act
+    as their Google service accounts; its grants are added per bucket."""
+    with IamProxy(endpoint, lookup=lookup, project=EMULATOR_PROJECT) as proxy:
+        proxy.workload_identity_users = documented_workload_identity_users(
+            {"PROJECT": EMULATOR_PROJECT}
+        )
+        yield proxy
