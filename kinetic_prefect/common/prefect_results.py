@@ -59,18 +59,22 @@ def read_stored(metadata: Any, gcp_credentials: Any = None) -> StoredRecord:
 
     With `gcp_credentials` (a prefect-gcp `GcpCredentials` block: the orchestrator's
     `KineticCluster.gcp_credentials`) a record in a GCS bucket is read as that identity,
-    the one the jobs bucket is used as; else through the storage block's own credentials.
+    the one the jobs bucket is used as; else as the storage block's own credentials.
+    A GCS record is read with this process's shared client in one request (prefect-gcp's
+    block would make a client and look the bucket up first); `FileNotFoundError` when
+    there is none.
     """
     from prefect.results import resolve_result_storage
 
     storage: Any = resolve_result_storage(metadata.storage_block_id, _sync=True)  # type: ignore[call-arg]
     key = str(metadata.storage_key)
     location = _location(storage, key)
-    if gcp_credentials is not None and location.startswith("gs://"):
+    if location.startswith("gs://"):
         from kinetic_prefect.common.gcs import GcsStore, split_gs_uri
 
         bucket, name = split_gs_uri(location)
-        store = GcsStore(f"gs://{bucket}", gcp_credentials=gcp_credentials)
+        identity = gcp_credentials or getattr(storage, "gcp_credentials", None)
+        store = GcsStore(f"gs://{bucket}", gcp_credentials=identity)
         return StoredRecord(location, store.get_bytes(name))
     return StoredRecord(location, storage.read_path(key, _sync=True))
 

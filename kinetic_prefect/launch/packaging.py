@@ -92,6 +92,8 @@ context_keys = layout.code_archive_keys
 
 _UPLOAD_LOCKS: dict[tuple[str, str], threading.Lock] = {}
 _UPLOAD_LOCKS_GUARD = threading.Lock()
+# Archives this process uploaded or found, by (store root, sha256).
+_PRESENT: set[tuple[str, str]] = set()
 
 
 def upload_context(store: JobsStore, archive: Artifact) -> str:
@@ -99,7 +101,8 @@ def upload_context(store: JobsStore, archive: Artifact) -> str:
 
     The archive goes to `code-cache/{sha256}.zip`; the marker
     `code-cache/{sha256}.done` is written only after it, so an interrupted
-    upload is redone. Concurrent launches of one archive upload it once.
+    upload is redone. Concurrent launches of one archive upload it once, and a
+    process asks the store about an archive once: cleanup keeps the code cache.
 
     Example:
         ```python
@@ -107,13 +110,15 @@ def upload_context(store: JobsStore, archive: Artifact) -> str:
         ```
     """
     key, marker = context_keys(archive.sha256)
+    where = (store.root, archive.sha256)
     with _UPLOAD_LOCKS_GUARD:
-        lock = _UPLOAD_LOCKS.setdefault((store.root, archive.sha256), threading.Lock())
+        lock = _UPLOAD_LOCKS.setdefault(where, threading.Lock())
     with lock:
-        if not (store.exists(marker) and store.exists(key)):
+        if where not in _PRESENT and not (store.exists(marker) and store.exists(key)):
             store.put_bytes(key, archive.data)
             store.put_bytes(marker, archive.sha256.encode())
             logger.debug("Uploaded the code archive %s (%d bytes).", key, len(archive.data))
+        _PRESENT.add(where)
     return store.uri(key)
 
 

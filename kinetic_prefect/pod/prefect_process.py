@@ -10,6 +10,7 @@ each docstring fail if they change.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Iterator
@@ -111,41 +112,139 @@ def logged_task_run_errors() -> Iterator[list[BaseException]]:
         logger.removeHandler(handler)
 
 
+# sha256 of each result record this process wrote through `direct_result_writes`, by URI.
+_WRITTEN: dict[str, str] = {}
+
+
+def direct_result_writes(task: Any) -> None:
+    """Let the task's GCS result storage write through this process's GCS client.
+
+    prefect-gcp's `GcsBucket` makes a client and looks its bucket up (a request, and
+    `storage.buckets.get`) before every write. A copy of the saved block, with its
+    block id (records keep referring to the saved block), writes the same bytes to
+    the same object in one request and remembers their sha256 (`written_sha256`): the
+    pod signs that digest without reading the record back, and knows the write landed
+    without asking. The orchestrator decided the cache lookup before the pod started,
+    so the engine here does not look up again (`refresh_cache`): it writes.
+    `test_a_result_record_replaced_after_the_pod_wrote_it_is_refused_naming_it_never_unpickled`
+    fails if the engine stops writing through the block's `write_path`.
+    """
+    storage = task.result_storage
+    if getattr(storage, "_block_document_id", None) is None or not _is_gcs_bucket(storage):
+        return
+    direct = _direct_class(type(storage)).model_construct(
+        **{name: getattr(storage, name) for name in type(storage).model_fields}
+    )
+    for private in ("_block_document_id", "_block_document_name", "_is_anonymous"):
+        setattr(direct, private, getattr(storage, private))
+    task.result_storage = direct
+    task.refresh_cache = True
+
+
+def _is_gcs_bucket(storage: Any) -> bool:
+    try:
+        from prefect_gcp.cloud_storage import GcsBucket
+    except ImportError:
+        return False
+    return isinstance(storage, GcsBucket)
+
+
+_DIRECT_CLASSES: dict[type, type] = {}
+
+
+def _direct_class(base: type) -> Any:
+    """`base` (a GcsBucket class) with `write_path` through `common.gcs` (one per base)."""
+    if base in _DIRECT_CLASSES:
+        return _DIRECT_CLASSES[base]
+
+    def write(self: Any, path: str, content: bytes) -> str:
+        from kinetic_prefect.common.gcs import GcsStore
+
+        resolved = self._resolve_path(path)
+        store = GcsStore(f"gs://{self.bucket}", gcp_credentials=self.gcp_credentials)
+        _WRITTEN[store.put_bytes(resolved, content)] = hashlib.sha256(content).hexdigest()
+        return str(resolved)
+
+    def write_path(self: Any, path: str, content: bytes, **_dispatch: Any) -> str:
+        return write(self, path, content)
+
+    async def awrite_path(self: Any, path: str, content: bytes) -> str:
+        import asyncio
+
+        return await asyncio.to_thread(write, self, path, content)
+
+    direct = type(
+        f"Direct{base.__name__}",
+        (base,),
+        {
+            "__module__": __name__,
+            "_block_type_slug": f"kinetic-direct-{base.__name__.lower()}",
+            "write_path": write_path,
+            "awrite_path": awrite_path,
+        },
+    )
+    _DIRECT_CLASSES[base] = direct
+    return direct
+
+
+def _direct_location(task: Any, metadata: Any) -> str | None:
+    """gs://bucket/object of the record `metadata` names, if the storage writes directly."""
+    storage = task.result_storage
+    if type(storage) not in _DIRECT_CLASSES.values():
+        return None
+    if storage._block_document_id != metadata.storage_block_id:
+        return None
+    return f"gs://{storage.bucket}/{storage._resolve_path(str(metadata.storage_key))}"
+
+
+def written_sha256(task: Any, metadata: Any) -> str | None:
+    """The sha256 of the result record `metadata` names, if this process wrote it directly."""
+    location = _direct_location(task, metadata)
+    return _WRITTEN.get(location) if location else None
+
+
 def unstored_result(state: Any, task: Any, logged: list[BaseException]) -> Any:
     """A Failed state when a Completed task's persisted result is not in its GCS storage.
 
     Prefect's engine writes the result record when it commits the task's
     transaction, and a failed commit is logged, not raised: the run still ends
-    Completed, and whoever reads the result later finds nothing. So the record is
-    looked up here (its metadata only) and, when missing, the run is failed with
-    the error Prefect logged (a GCS 403 names the permission). None when the result
-    is stored, not persisted, or not on GCS. `test_a_task_pod_without_the_results_
-    bucket_reader_role_fails_naming_storage_buckets_get` fails if that changes.
+    Completed, and whoever reads the result later finds nothing. A record written
+    through `direct_result_writes` is known to be stored; another GCS one is looked
+    up here (its metadata only). A missing one fails the run with the error Prefect
+    logged (a GCS 403 names the permission). None when the result is stored, not
+    persisted, or not on GCS. `test_a_task_pod_without_the_results_bucket_writer_role_
+    fails_naming_storage_objects_create` fails if that changes.
     """
     from prefect.blocks.core import Block
     from prefect.states import Failed
 
-    from kinetic_prefect.common.gcs import GcsStore, denied_permission, grant_hint
+    from kinetic_prefect.common.gcs import GcsStore, denied_permission, grant_hint, split_gs_uri
     from kinetic_prefect.errors import ResultNotStoredError
 
     record = _persisted_record(state, task)
     if record is None:
         return None
-    storage = Block.load_from_ref(record.metadata.storage_block_id)
-    bucket, resolve = getattr(storage, "bucket", None), getattr(storage, "_resolve_path", None)
-    if not bucket or resolve is None:
-        return None
-    path = resolve(record.metadata.storage_key)
-    if GcsStore(f"gs://{bucket}").exists(path):
-        return None
+    direct = _direct_location(task, record.metadata)
+    if direct is not None:
+        if direct in _WRITTEN:
+            return None
+        bucket, path = split_gs_uri(direct)
+        needed = ["storage.objects.create"]
+    else:
+        storage: Any = Block.load_from_ref(record.metadata.storage_block_id)
+        resolve = getattr(storage, "_resolve_path", None)
+        if not getattr(storage, "bucket", None) or resolve is None:
+            return None
+        bucket, path = str(storage.bucket), resolve(record.metadata.storage_key)
+        if GcsStore(f"gs://{bucket}").exists(path):
+            return None
+        needed = ["storage.buckets.get", "storage.objects.create"]
     cause = f": {logged[-1]}" if logged else ""
     denied = denied_permission(logged[-1]) if logged else None
     message = (
         f"The task returned, but Prefect could not store its result at gs://{bucket}/{path}"
         f"{cause}. The run is failed rather than Completed without a readable result. "
-        + grant_hint(
-            bucket, [denied] if denied else ["storage.buckets.get", "storage.objects.create"]
-        )
+        + grant_hint(bucket, [denied] if denied else needed)
     )
     error = ResultNotStoredError(message)
     return Failed(message=message, data=error)

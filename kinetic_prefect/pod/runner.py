@@ -274,6 +274,7 @@ def execute(run: PodRun, hosts: int = 1) -> Any:
         contents = run.contents
         contents["context"] = build_known_blocks(contents["context"])
         task = contents["task"]
+        prefect_process.direct_result_writes(task)
         kwargs = dict(
             task=task,
             task_run=contents["task_run"],
@@ -409,7 +410,10 @@ def report(run: PodRun, state: Any) -> int:
         if reference is not None:
             # The orchestrator reads the result from result storage: sign what is there.
             record.result_storage_key = str(reference.storage_key)
-            record.result_sha256 = prefect_results.read_stored(reference).sha256
+            record.result_sha256 = (
+                prefect_process.written_sha256(run.contents["task"], reference)
+                or prefect_results.read_stored(reference).sha256
+            )
             run.write_result_seal(reference, record.result_sha256)
         run.write_record(record)
     return EXIT_COMPLETED if state.is_completed() else EXIT_TASK_NOT_COMPLETED

@@ -70,9 +70,10 @@ def read_attempt_end(
     """
     prefix = layout.job_dir(job_id)
     record_key = f"{prefix}/{FINAL_STATE_JSON}"
-    if not store.exists(record_key):
+    try:
+        record = FinalRecord.from_json(store.get_bytes(record_key))
+    except FileNotFoundError:
         return AttemptEnd(state_without_record(job_id, outcome), reported_by_pod=False)
-    record = FinalRecord.from_json(store.get_bytes(record_key))
     if not record.signed_by(signing_key):
         return _tampered(job_id, f"{FINAL_STATE_JSON} does not carry this runner's signature")
     if record.status == STATUS_PHASE_FAILED:

@@ -61,6 +61,27 @@ def jobs_only_bucket(gcs) -> str:
     return name
 
 
+def results_only_bucket(gcs):  # type: ignore[no-untyped-def]
+    """A saved GcsBucket on a bucket with the documented grants of a results bucket only."""
+    import uuid
+
+    from prefect_gcp.cloud_storage import GcsBucket
+
+    from kinetic_prefect.blocks import KineticGcpCredentials
+
+    name = gcs.client.create_bucket(f"kp-results-{uuid.uuid4().hex[:8]}").name
+    substitutions = {
+        "JOBS_BUCKET": "not-this-bucket",
+        "RESULTS_BUCKET": name,
+        "ENVIRONMENT_STORE": "nor-this-one",
+        "PROJECT": kgcs.EMULATOR_PROJECT,
+    }
+    gcs.iam.grant(documented_grants(substitutions))
+    block = GcsBucket(bucket=name, bucket_folder="results", gcp_credentials=KineticGcpCredentials())
+    block.save(name, overwrite=True)
+    return GcsBucket.load(name)
+
+
 def object_denials(gcs) -> list[tuple[str, str, str | None]]:
     """Denied requests but google-cloud-storage's background bucket-metadata fetches,
     which it makes for observability on its own and whose 403 it expects and ignores."""
@@ -225,22 +246,41 @@ def test_task_pods_run_and_write_results_with_exactly_the_documented_roles(gke, 
     assert len(gcs.names("results/")) == 2
 
 
-def test_a_task_pod_without_the_results_bucket_reader_role_fails_naming_storage_buckets_get(
+def test_a_task_pod_stores_its_result_without_the_bucket_lookup_prefects_block_makes(
     gke, cluster, gcs
 ):
     @flow(task_runner=KineticTaskRunner(cluster=gke, allow_loopback_api=True))
     def one_cube() -> int:
         return cube.submit(3).result()
 
+    with gcs.iam.revoked(Grant(gcs.name, PODS_MEMBER, BUCKET_READER)):
+        assert one_cube() == 27
+
+    assert object_denials(gcs) == []
+    assert len(gcs.names("results/")) == 1
+
+
+def test_a_task_pod_that_cannot_write_the_results_bucket_fails_naming_storage_objects_create(
+    gke, cluster, gcs
+):
+    results = results_only_bucket(gcs)
+
+    @flow(task_runner=KineticTaskRunner(cluster=gke, allow_loopback_api=True))
+    def one_cube() -> int:
+        return cube.with_options(result_storage=results).submit(3).result()
+
     with (
-        gcs.iam.revoked(Grant(gcs.name, PODS_MEMBER, BUCKET_READER)),
+        gcs.iam.revoked(Grant(results.bucket, PODS_MEMBER, OBJECT_ADMIN)),
         pytest.raises(Exception) as failed,
     ):
         one_cube()
 
-    assert "storage.buckets.get" in str(failed.value)
-    assert gcs.name in str(failed.value)
-    assert (PODS_MEMBER.partition(":")[2], "storage.buckets.get", gcs.name) in gcs.iam.denials
+    message = str(failed.value)
+    assert f"could not store its result at gs://{results.bucket}/results/" in message
+    assert "storage.objects.create" in message
+    assert (PODS_MEMBER.partition(":")[2], "storage.objects.create", results.bucket) in (
+        gcs.iam.denials
+    )
 
 
 def test_a_pod_whose_service_account_has_no_workload_identity_fails_with_gcs_403(gke, cluster, gcs):
@@ -266,18 +306,20 @@ def test_a_pod_whose_service_account_has_no_workload_identity_fails_with_gcs_403
 def test_a_denied_result_cache_lookup_names_the_permission_instead_of_running_again(
     gke, cluster, gcs
 ):
+    results = results_only_bucket(gcs)
+
     @flow(task_runner=KineticTaskRunner(cluster=gke, allow_loopback_api=True))
     def square() -> int:
-        return cached_square.submit(4).result()
+        return cached_square.with_options(result_storage=results).submit(4).result()
 
     assert square() == 16
     with (
-        gcs.iam.revoked(Grant(gcs.name, USER_MEMBER, BUCKET_READER)),
+        gcs.iam.revoked(Grant(results.bucket, USER_MEMBER, OBJECT_ADMIN)),
         pytest.raises(ConfigurationError) as refused,
     ):
         square()
 
     message = str(refused.value)
-    assert f"GCS denied storage.buckets.get on the result bucket gs://{gcs.name}" in message
-    assert f"--role={BUCKET_READER}" in message
+    assert f"GCS denied storage.objects.get on the result bucket gs://{results.bucket}" in message
+    assert f"--role={OBJECT_ADMIN}" in message
     assert len(cluster.created_jobs()) == 1
