@@ -91,6 +91,10 @@ def storage_client(project: str | None = None, credentials: Any | None = None) -
     """
     from google.cloud import storage
 
+    # google-cloud-storage otherwise fetches each bucket's metadata in the background, once
+    # per client and bucket, to label trace spans, even with tracing off: a request (and a
+    # storage.buckets.get denial) per pod. A user's own setting is kept.
+    os.environ.setdefault("DISABLE_GCS_PYTHON_CLIENT_OTEL_BUCKET_METADATA", "true")
     if emulator_host():
         from google.auth.credentials import AnonymousCredentials
 

@@ -4,8 +4,8 @@ The jobs store is one prefix, `gs://{jobs bucket}/...` on gke or `.kinetic/` loc
 
     kinetic/{job_id}/payload.pkl         the pickled task run (one per attempt)
     kinetic/{job_id}/handle.json         written before the Job is created (gke)
-    kinetic/{job_id}/final-state.pkl     the pod's Prefect state, when the task ran
-    kinetic/{job_id}/final-state.json    the pod's signed word on how it ended, written last
+    kinetic/{job_id}/final-state.json    the pod's signed word on how it ended (and its Prefect
+                                         state, when the task ran), written last
     kinetic/{job_id}/warm-pod.json       the warm pod that ran this job's task
     kinetic/{pod_id}/warm/assign-{n}.json, accepted-{n}.json   hand-overs to a warm pod
     code-cache/{sha256}.zip, .done       code archives, shared by every job with that code
@@ -30,7 +30,6 @@ OUTPUTS_PREFIX = "outputs"
 
 PAYLOAD_FILE = "payload.pkl"
 HANDLE_FILE = "handle.json"
-FINAL_STATE_PICKLE = "final-state.pkl"
 FINAL_STATE_JSON = "final-state.json"
 WARM_POD_JSON = "warm-pod.json"
 

@@ -1,18 +1,20 @@
 """The final-state records a pod leaves in its job directory.
 
-`final-state.json` is written last and is the pod's word on how it ended;
-`final-state.pkl`, written before it, carries the Prefect state (and so the
-result or the exception) when the task ran.
+`final-state.json` is written last and is the pod's word on how it ended; when
+the task ran, it carries the pickled Prefect state too (and so the result's
+reference or the exception), under the same signature: one object to write and
+to read per attempt.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kinetic_prefect.common import signing
-from kinetic_prefect.common.layout import FINAL_STATE_JSON, FINAL_STATE_PICKLE  # noqa: F401
+from kinetic_prefect.common.layout import FINAL_STATE_JSON  # noqa: F401
 
 PHASES = ("download", "verify", "extract", "unpickle", "data", "environment", "run", "report")
 
@@ -27,8 +29,8 @@ STATUS_ALREADY_FINAL = "already-final"
 class FinalRecord(signing.SignedRecord):
     """What a pod reports about itself, readable without unpickling anything.
 
-    Signed with the flow run's key; through its digests the signature covers the
-    pickle and the result record in result storage too.
+    Signed with the flow run's key; the signature covers the pickled state it
+    carries and, through its digest, the result record in result storage.
     """
 
     status: str
@@ -40,8 +42,8 @@ class FinalRecord(signing.SignedRecord):
     state_name: str | None = None
     versions: dict[str, str] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
-    # sha256 of final-state.pkl, so the signature covers the pickle too.
-    pickle_sha256: str | None = None
+    # The cloudpickled Prefect state (base64), when the task ran: never unpickled unsigned.
+    state_pickle: str | None = None
     # The Prefect result record the pod's engine persisted to result storage (its storage
     # key and the sha256 of its bytes there), so the signature covers the result too.
     result_storage_key: str | None = None
@@ -50,6 +52,13 @@ class FinalRecord(signing.SignedRecord):
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), indent=1).encode()
+
+    def carry_state(self, pickled: bytes) -> None:
+        self.state_pickle = base64.b64encode(pickled).decode()
+
+    def carried_state(self) -> bytes | None:
+        """The pickled state's bytes (check the signature before unpickling them)."""
+        return base64.b64decode(self.state_pickle) if self.state_pickle is not None else None
 
     @classmethod
     def from_json(cls, data: bytes) -> FinalRecord:

@@ -347,7 +347,7 @@ def record_failure(job_dir: str, message: str, error: BaseException) -> None:
         "state_name": None,
         "versions": {},
         "timings": {},
-        "pickle_sha256": None,
+        "state_pickle": None,
         "result_storage_key": None,
         "result_sha256": None,
     }

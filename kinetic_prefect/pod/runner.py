@@ -35,7 +35,6 @@ from kinetic_prefect.common.env import (
 )
 from kinetic_prefect.common.records import (
     FINAL_STATE_JSON,
-    FINAL_STATE_PICKLE,
     STATUS_ALREADY_FINAL,
     STATUS_FINISHED,
     STATUS_PHASE_FAILED,
@@ -397,15 +396,14 @@ def report(run: PodRun, state: Any) -> int:
         final = cloudpickle.dumps(
             {"state": shipped, "traceback": tb, "task_run": run.contents["task_run"]}
         )
-        storage.write_uri(f"{run.job_dir}/{FINAL_STATE_PICKLE}", final)
         record = FinalRecord(
             status=STATUS_FINISHED,
             state_type=state.type.value,
             state_name=state.name,
             message=state.message,
             traceback=tb,
-            pickle_sha256=hashlib.sha256(final).hexdigest(),
         )
+        record.carry_state(final)
         reference = prefect_results.result_reference(shipped)
         if reference is not None:
             # The orchestrator reads the result from result storage: sign what is there.

@@ -1,14 +1,13 @@
 """How an attempt ended: the pod's own report, or what the backend saw of a silent pod.
 
-The pod leaves `final-state.json` (always, when it could) and, when the task
-ran, `final-state.pkl` with the Prefect state. A pod that left neither was
+The pod leaves `final-state.json` (always, when it could), with the Prefect
+state in it when the task ran. A pod that left none was
 killed, evicted, preempted or never started: its state is built here from the
 backend's `PodExit`.
 """
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -21,7 +20,6 @@ from kinetic_prefect.backends.base import PodExit
 from kinetic_prefect.common import layout, prefect_results
 from kinetic_prefect.common.records import (
     FINAL_STATE_JSON,
-    FINAL_STATE_PICKLE,
     STATUS_ALREADY_FINAL,
     STATUS_PHASE_FAILED,
     FinalRecord,
@@ -64,8 +62,8 @@ def read_attempt_end(
 ) -> AttemptEnd:
     """The attempt's end from the job directory, or from `outcome` when the pod left no record.
 
-    The record must carry the signature made with this runner's `signing_key`, and
-    the pickle must match the digest the record names, before anything is unpickled:
+    The record must carry the signature made with this runner's `signing_key`, which
+    covers the pickled state in it, before anything is unpickled:
     whoever can write the jobs bucket must not be able to run code here.
     """
     prefix = layout.job_dir(job_id)
@@ -95,9 +93,9 @@ def read_attempt_end(
             f"left it so: {record.message or ''}".rstrip(": "),
         )
         return AttemptEnd(state, reported_by_pod=True)
-    pickled = store.get_bytes(f"{prefix}/{FINAL_STATE_PICKLE}")
-    if hashlib.sha256(pickled).hexdigest() != record.pickle_sha256:
-        return _tampered(job_id, f"{FINAL_STATE_PICKLE} does not match the signed record's digest")
+    pickled = record.carried_state()
+    if pickled is None:
+        return _tampered(job_id, f"the signed {FINAL_STATE_JSON} of a finished task has no state")
     final = cloudpickle.loads(pickled)
     state = final["state"]
     reference = prefect_results.result_reference(state)

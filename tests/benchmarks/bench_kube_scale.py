@@ -1,6 +1,7 @@
 """A map of N tasks on the emulated cluster with NODES TPU nodes, on cold and on warm pods.
 
-Run: `.venv/bin/python tests/benchmarks/bench_kube_scale.py [N] [NODES]` (100, 8).
+Run: `.venv/bin/python tests/benchmarks/bench_kube_scale.py [N] [NODES] [cold|warm]` (100, 8,
+both).
 
 The real parts of the tests: the kmock API server with the test kubelet, whose node
 pool has NODES `tpu-v5e-4` nodes (one pod each; the rest wait for capacity), pods
@@ -83,7 +84,7 @@ def _flow_process(runner_kind: str, n: int, env: dict[str, str], cwd: Path) -> d
     return result
 
 
-def main(n: int = 100, nodes: int = 8) -> None:
+def main(n: int = 100, nodes: int = 8, modes: tuple[str, ...] = ("cold", "warm")) -> None:
     from prefect.settings import PREFECT_API_URL
     from prefect.testing.utilities import prefect_test_harness
 
@@ -107,7 +108,7 @@ def main(n: int = 100, nodes: int = 8) -> None:
         bucket = documented_bucket(gcs_server, iam, os.environ.__setitem__)
         env = {**os.environ, "PREFECT_API_URL": prefect_api.url, "PYTHONPATH": str(ROOT)}
         baseline = _flow_process("threads", n, env, workdir)
-        for label in ("cold", "warm"):
+        for label in modes:
             with running_cluster(workdir / label) as cluster:
                 cluster.kubelet.nodes[:] = gke_nodes("tpu-pool", ACCELERATOR, nodes)
                 name = gcs_cluster(bucket, f"scale-{label}", "gke")
@@ -154,4 +155,4 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--flow"]:
         run_flow(sys.argv[2], int(sys.argv[3]))
     else:
-        main(*(int(a) for a in sys.argv[1:3]))
+        main(*(int(a) for a in sys.argv[1:3]), *([tuple(sys.argv[3:4])] if sys.argv[3:] else []))

@@ -18,7 +18,7 @@ from prefect.settings import (
 )
 
 from kinetic_prefect.backends.base import PodExit
-from kinetic_prefect.common.records import FINAL_STATE_JSON, FINAL_STATE_PICKLE, FinalRecord
+from kinetic_prefect.common.records import FINAL_STATE_JSON, FinalRecord
 from kinetic_prefect.common.storage import JobsStore, open_store
 from kinetic_prefect.errors import TamperedRecordError
 from kinetic_prefect.launch.pod_secrets import PodSecrets
@@ -115,12 +115,8 @@ VICTIM = "kp-victim-0001"
 
 
 def _signed_attempt(store: JobsStore, key: str, state_bytes: bytes) -> None:
-    store.put_bytes(f"kinetic/{VICTIM}/{FINAL_STATE_PICKLE}", state_bytes)
-    record = FinalRecord(
-        status="finished",
-        state_type="COMPLETED",
-        pickle_sha256=hashlib.sha256(state_bytes).hexdigest(),
-    )
+    record = FinalRecord(status="finished", state_type="COMPLETED")
+    record.carry_state(state_bytes)
     record.sign(key)
     store.put_bytes(f"kinetic/{VICTIM}/{FINAL_STATE_JSON}", record.to_json())
 
@@ -157,10 +153,10 @@ def test_a_final_state_pickle_rewritten_after_the_pod_signed_it_is_never_unpickl
 
     _signed_attempt(jobs_store, "runner-key", cloudpickle.dumps({"state": Completed(data=1)}))
     marker = workdir / "unpickled"
-    jobs_store.put_bytes(
-        f"kinetic/{VICTIM}/{FINAL_STATE_PICKLE}",
-        cloudpickle.dumps({"state": _WritesMarkerWhenUnpickled(str(marker))}),
-    )
+    key = f"kinetic/{VICTIM}/{FINAL_STATE_JSON}"
+    record = FinalRecord.from_json(jobs_store.get_bytes(key))
+    record.carry_state(cloudpickle.dumps({"state": _WritesMarkerWhenUnpickled(str(marker))}))
+    jobs_store.put_bytes(key, record.to_json())
 
     _assert_refused_unread(jobs_store, marker)
 
