@@ -19,6 +19,10 @@ from kinetic_prefect.common.layout import FINAL_STATE_JSON  # noqa: F401
 PHASES = ("download", "verify", "extract", "unpickle", "data", "environment", "run", "report")
 
 
+# A result record up to this size travels in the final-state record too, so the
+# orchestrator need not read it back from result storage.
+INLINE_RESULT_BYTES = 64 * 1024
+
 STATUS_FINISHED = "finished"
 STATUS_PHASE_FAILED = "phase-failed"
 # The task run was already final when the pod was about to run it: the pod left it as it was.
@@ -48,6 +52,8 @@ class FinalRecord(signing.SignedRecord):
     # key and the sha256 of its bytes there), so the signature covers the result too.
     result_storage_key: str | None = None
     result_sha256: str | None = None
+    # That record's bytes (base64) when at most INLINE_RESULT_BYTES.
+    result_record: str | None = None
     signature: str | None = None
 
     def to_json(self) -> bytes:
@@ -59,6 +65,15 @@ class FinalRecord(signing.SignedRecord):
     def carried_state(self) -> bytes | None:
         """The pickled state's bytes (check the signature before unpickling them)."""
         return base64.b64decode(self.state_pickle) if self.state_pickle is not None else None
+
+    def carry_result(self, storage_key: str, sha256: str, data: bytes | None) -> None:
+        """Sign the result record the pod persisted, and carry its bytes when small."""
+        self.result_storage_key, self.result_sha256 = storage_key, sha256
+        if data is not None and len(data) <= INLINE_RESULT_BYTES:
+            self.result_record = base64.b64encode(data).decode()
+
+    def carried_result(self) -> bytes | None:
+        return base64.b64decode(self.result_record) if self.result_record is not None else None
 
     @classmethod
     def from_json(cls, data: bytes) -> FinalRecord:

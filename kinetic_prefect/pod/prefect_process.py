@@ -112,8 +112,9 @@ def logged_task_run_errors() -> Iterator[list[BaseException]]:
         logger.removeHandler(handler)
 
 
-# sha256 of each result record this process wrote through `direct_result_writes`, by URI.
-_WRITTEN: dict[str, str] = {}
+# Each result record this process wrote through `direct_result_writes`, by URI: its sha256,
+# and its bytes when they are few enough to travel in the final-state record.
+_WRITTEN: dict[str, tuple[str, bytes | None]] = {}
 
 
 def direct_result_writes(task: Any) -> None:
@@ -122,10 +123,11 @@ def direct_result_writes(task: Any) -> None:
     prefect-gcp's `GcsBucket` makes a client and looks its bucket up (a request, and
     `storage.buckets.get`) before every write. A copy of the saved block, with its
     block id (records keep referring to the saved block), writes the same bytes to
-    the same object in one request and remembers their sha256 (`written_sha256`): the
-    pod signs that digest without reading the record back, and knows the write landed
-    without asking. The orchestrator decided the cache lookup before the pod started,
-    so the engine here does not look up again (`refresh_cache`): it writes.
+    the same object in one request and remembers what it wrote (`written_record`): the
+    pod signs its digest without reading the record back (a small one travels in the
+    final-state record), and knows the write landed without asking. The orchestrator
+    decided the cache lookup before the pod started, so the engine here does not look
+    up again (`refresh_cache`): it writes.
     `test_a_result_record_replaced_after_the_pod_wrote_it_is_refused_naming_it_never_unpickled`
     fails if the engine stops writing through the block's `write_path`.
     """
@@ -159,10 +161,12 @@ def _direct_class(base: type) -> Any:
 
     def write(self: Any, path: str, content: bytes) -> str:
         from kinetic_prefect.common.gcs import GcsStore
+        from kinetic_prefect.common.records import INLINE_RESULT_BYTES
 
         resolved = self._resolve_path(path)
         store = GcsStore(f"gs://{self.bucket}", gcp_credentials=self.gcp_credentials)
-        _WRITTEN[store.put_bytes(resolved, content)] = hashlib.sha256(content).hexdigest()
+        small = content if len(content) <= INLINE_RESULT_BYTES else None
+        _WRITTEN[store.put_bytes(resolved, content)] = (hashlib.sha256(content).hexdigest(), small)
         return str(resolved)
 
     def write_path(self: Any, path: str, content: bytes, **_dispatch: Any) -> str:
@@ -197,8 +201,9 @@ def _direct_location(task: Any, metadata: Any) -> str | None:
     return f"gs://{storage.bucket}/{storage._resolve_path(str(metadata.storage_key))}"
 
 
-def written_sha256(task: Any, metadata: Any) -> str | None:
-    """The sha256 of the result record `metadata` names, if this process wrote it directly."""
+def written_record(task: Any, metadata: Any) -> tuple[str, bytes | None] | None:
+    """The sha256 of the result record `metadata` names, and its bytes when small, if this
+    process wrote it directly."""
     location = _direct_location(task, metadata)
     return _WRITTEN.get(location) if location else None
 

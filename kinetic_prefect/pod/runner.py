@@ -406,13 +406,13 @@ def report(run: PodRun, state: Any) -> int:
         record.carry_state(final)
         reference = prefect_results.result_reference(shipped)
         if reference is not None:
-            # The orchestrator reads the result from result storage: sign what is there.
-            record.result_storage_key = str(reference.storage_key)
-            record.result_sha256 = (
-                prefect_process.written_sha256(run.contents["task"], reference)
-                or prefect_results.read_stored(reference).sha256
-            )
-            run.write_result_seal(reference, record.result_sha256)
+            # The orchestrator deserialises the result record only if it is what the pod wrote.
+            written = prefect_process.written_record(run.contents["task"], reference)
+            if written is None:
+                stored = prefect_results.read_stored(reference)
+                written = (stored.sha256, stored.data)
+            record.carry_result(str(reference.storage_key), *written)
+            run.write_result_seal(reference, written[0])
         run.write_record(record)
     return EXIT_COMPLETED if state.is_completed() else EXIT_TASK_NOT_COMPLETED
 

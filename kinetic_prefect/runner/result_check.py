@@ -7,7 +7,8 @@ the pod signed, and deserialises those same bytes (`prefect_results.load_record`
 
 - After an attempt (`verified_result`, called by `attempt_end.read_attempt_end`,
   so also for reattached and warm pods): the digest is in the pod's signed
-  final-state record.
+  final-state record, and so is a small record's copy (read from there, not from
+  result storage).
 - On a cache hit (`cached_state`) in saved result storage: the record may come
   from another flow run, so the digest is in the seal its pod left in the jobs
   store (`common.records.ResultSeal`), signed with that flow run's key. (Unsaved
@@ -56,7 +57,11 @@ def verified_result(
             f"The result record {reference.storage_key!r} of {run} is not covered by the "
             f"signed final-state record of pod {job_id}; it was not unpickled. Rerun the task."
         )
-    stored = prefect_results.read_stored(reference, gcp_credentials)
+    carried = record.carried_result()
+    if carried is not None:
+        stored = prefect_results.StoredRecord(f"the final-state record of pod {job_id}", carried)
+    else:
+        stored = prefect_results.read_stored(reference, gcp_credentials)
     if stored.sha256 != record.result_sha256:
         raise TamperedResultError(
             f"The result record {stored.location} of {run} was changed after pod {job_id} "

@@ -35,6 +35,14 @@ def cube(x: int) -> int:
     return x**3
 
 
+@task
+def big_block(x: int) -> bytes:
+    """A result too large to travel in the final-state record: it is read from storage."""
+    from kinetic_prefect.common.records import INLINE_RESULT_BYTES
+
+    return bytes([x]) * (INLINE_RESULT_BYTES + 1)
+
+
 @task(retries=1)
 def train_to_ten(interrupt: str) -> dict[str, object]:
     """Counts to 10 with a checkpoint per step; the first attempt is interrupted at step 6."""
@@ -350,18 +358,44 @@ def _replace_result(metadata: Any, marker: Path) -> None:
     results.write_path(metadata.storage_key, stored.serialize(), _sync=True)
 
 
-def _results_runner(backend: str, request: pytest.FixtureRequest, workdir: Path) -> tuple:
-    """A runner whose `cube` results go to saved result storage, and its jobs store."""
+def _results_runner(
+    backend: str, request: pytest.FixtureRequest, workdir: Path, task: Any = cube
+) -> tuple:
+    """A runner whose `task` results go to saved result storage, and its jobs store."""
     from kinetic_prefect.common.storage import open_store
 
     if backend == "local":
         name = f"results-{os.urandom(4).hex()}"
         LocalFileSystem(basepath=str(workdir / "results")).save(name)
-        task = cube.with_options(result_storage=LocalFileSystem.load(name), persist_result=True)
+        task = task.with_options(result_storage=LocalFileSystem.load(name), persist_result=True)
         return KineticTaskRunner(), task, open_store(str(workdir / ".kinetic"))
     gcs = request.getfixturevalue("gcs")
     runner = KineticTaskRunner(cluster=request.getfixturevalue("gke"), allow_loopback_api=True)
-    return runner, cube, open_store(gcs.uri)
+    return runner, task, open_store(gcs.uri)
+
+
+def _submitted_once(runner: Any, task: Any, store: Any) -> tuple[str, object, Any, Any]:
+    """Run `task(2)` once: its job id, task run id, result metadata, and a re-reader of its end."""
+    from kinetic_prefect.backends.base import PodExit
+    from kinetic_prefect.runner import record_key
+    from kinetic_prefect.runner.attempt_end import read_attempt_end
+
+    @flow(task_runner=runner)
+    def once() -> tuple[str, object, object]:
+        future = task.submit(2)
+        future.wait()
+        data = future.state.data  # the verified record (its metadata, were it not read)
+        return future.job_id, future.task_run_id, getattr(data, "metadata", data)
+
+    job_id, task_run_id, metadata = once()
+    with get_client(sync_client=True) as client:
+        flow_run_id = client.read_task_run(task_run_id).flow_run_id  # type: ignore[arg-type]
+    key = record_key.flow_run_key(record_key.master_key(), str(flow_run_id))
+
+    def attempt_end() -> Any:
+        return read_attempt_end(store, job_id, PodExit(job_id, exit_code=0), key).state
+
+    return job_id, task_run_id, metadata, attempt_end
 
 
 @pytest.mark.slow
@@ -369,44 +403,41 @@ def _results_runner(backend: str, request: pytest.FixtureRequest, workdir: Path)
 def test_a_result_record_replaced_after_the_pod_wrote_it_is_refused_naming_it_never_unpickled(
     backend: str, request: pytest.FixtureRequest, workdir: Path
 ):
-    from kinetic_prefect.backends.base import PodExit
     from kinetic_prefect.common.records import FINAL_STATE_JSON, FinalRecord
     from kinetic_prefect.errors import TamperedResultError
-    from kinetic_prefect.runner import record_key
-    from kinetic_prefect.runner.attempt_end import read_attempt_end
 
-    runner, task, store = _results_runner(backend, request, workdir)
+    runner, task, store = _results_runner(backend, request, workdir, big_block)
+    job_id, task_run_id, metadata, attempt_end = _submitted_once(runner, task, store)
 
-    @flow(task_runner=runner)
-    def one_cube() -> tuple[str, object, object]:
-        future = task.submit(2)
-        future.wait()
-        data = future.state.data  # the verified record (its metadata, were it not read)
-        return future.job_id, future.task_run_id, getattr(data, "metadata", data)
-
-    job_id, task_run_id, metadata = one_cube()
-    with get_client(sync_client=True) as client:
-        flow_run_id = client.read_task_run(task_run_id).flow_run_id  # type: ignore[arg-type]
-    key = record_key.flow_run_key(record_key.master_key(), str(flow_run_id))
-
-    def attempt_end() -> object:
-        return read_attempt_end(store, job_id, PodExit(job_id, exit_code=0), key).state
-
-    assert attempt_end().result() == 8  # type: ignore[attr-defined]
+    assert attempt_end().result() == bytes([2]) * len(attempt_end().result())
     record = FinalRecord.from_json(store.get_bytes(f"kinetic/{job_id}/{FINAL_STATE_JSON}"))
-    assert record.result_storage_key == metadata.storage_key  # type: ignore[attr-defined]
+    assert record.result_storage_key == metadata.storage_key
+    assert record.result_record is None  # too large to travel in the record: read from storage
 
     marker = workdir / "unpickled"
     _replace_result(metadata, marker)
 
     refused = attempt_end()
 
-    assert refused.is_failed()  # type: ignore[attr-defined]
-    error = refused.result(raise_on_failure=False)  # type: ignore[attr-defined]
+    assert refused.is_failed()
+    error = refused.result(raise_on_failure=False)
     assert isinstance(error, TamperedResultError)
     assert record.result_storage_key in str(error)
     assert str(task_run_id) in str(error)
     assert "was changed after pod" in str(error)
+    assert not marker.exists()
+
+
+@pytest.mark.slow
+def test_a_small_result_travels_signed_in_the_final_state_record_and_its_stored_copy_is_not_read(
+    gke: str, request: pytest.FixtureRequest, workdir: Path
+):
+    runner, task, store = _results_runner("gke", request, workdir)
+    _, _, metadata, attempt_end = _submitted_once(runner, task, store)
+    marker = workdir / "unpickled"
+    _replace_result(metadata, marker)
+
+    assert attempt_end().result() == 8
     assert not marker.exists()
 
 
