@@ -19,6 +19,7 @@ from kinetic_prefect import Data, KineticTaskRunner
 from kinetic_prefect.common import gcs as kgcs
 from kinetic_prefect.errors import ConfigurationError
 from kinetic_prefect.launch.preflight import check_jobs_root
+from tests.conftest import ENVIRONMENTS_BUCKET
 from tests.support.gcs_iam import PODS_MEMBER, USER_MEMBER, Grant, documented_grants
 from tests.support.leaks import leaks, scanned_artifacts
 from tests.support.oauth_tokens import TokenEndpoint
@@ -225,6 +226,24 @@ def test_the_orchestrator_acts_as_the_clusters_gcp_credentials_and_pods_never_ge
     assert PODS_MEMBER.partition(":")[2] in gcs.iam.callers
     secret_parts = [key["private_key_id"], key["private_key"].splitlines()[5]]
     assert leaks(secret_parts, artifacts) == []
+
+
+def test_a_cold_task_pod_makes_five_gcs_requests_and_looks_no_bucket_up(gke, cluster, gcs):
+    @flow(task_runner=KineticTaskRunner(cluster=gke, allow_loopback_api=True, warm_pods=False))
+    def cubes() -> list[int]:
+        return [f.result() for f in cube.map([1, 2, 3, 4])]
+
+    assert cubes() == [1, 8, 27, 64]
+
+    # A node fetches the shipped environment once (whichever pod comes first): not per task.
+    pods = [
+        (m, p)
+        for member, m, p in gcs.iam.requests
+        if member == PODS_MEMBER and "env-cache" not in p and ENVIRONMENTS_BUCKET not in p
+    ]
+    # Each pod: payload and code down; result record, its seal and the final state up.
+    assert len(pods) == 4 * 5, pods
+    assert [p for _, p in pods if re.fullmatch(r"/storage/v1/b/[^/?]+(\?.*)?", p)] == []
 
 
 def test_jobs_bucket_check_says_a_missing_bucket_does_not_exist(gcs):
