@@ -18,6 +18,13 @@ was handed to it) gives the task back: it is placed again, on a fresh pod if nee
 be, without touching the retry budget. Any other exit is the task's, exactly as
 for a cold pod. `max_parallel` counts warm pods, idle or not: a task that finds
 every slot taken and an idle pod of another spec retires that pod.
+
+Finite capacity. New pods of a spec start in a slow start: at most as many pods
+that have not yet ended a task as pods that have (and at least `RAMP`), and none
+while one of them waits for capacity (nodes of its kind busy): the task runs
+waiting for a pod then go to the pods that run. A pod idle with nothing of its spec
+waiting, while another pod of its spec waits for capacity, ends at once and gives
+its node to that pod, whose task would otherwise wait for the idle pod's idle time.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from prefect.logging import get_logger
 
-from kinetic_prefect.backends.base import Backend, PodExit
+from kinetic_prefect.backends.base import WAITING_FOR_CAPACITY, Backend, PodExit
 from kinetic_prefect.common import handover as warm
 from kinetic_prefect.common import layout
 from kinetic_prefect.common.env import ATTEMPT_ENV, TASK_RUN_ID_ENV, WARM_DIR_ENV, WARM_IDLE_ENV
@@ -58,6 +65,8 @@ logger = get_logger("kinetic_prefect.runner.warm_pods")
 # Env that differs between task runs of one pod spec (the rest of the per-task env,
 # job id and output dir, comes from LaunchSpec fields blanked in `spec_key`).
 _PER_TASK_ENV = (ATTEMPT_ENV,)
+# Pods of a spec that may be starting (no task ended yet) however few pods have run one.
+RAMP = 4
 
 OnEnd = Callable[["TaskLaunch", PodExit], None]
 OnPending = Callable[["TaskLaunch", str], None]
@@ -137,6 +146,9 @@ class WarmPod:
     idle_since: float | None = None
     retiring: bool = False  # will end: takes no task
     ended: bool = False
+    proven: bool = False  # it ended a task: it runs
+    capacity_wait: bool = False  # not yet running: the nodes of its kind are busy
+    given_a_node: bool = False  # an idle pod of its spec ended to make room for it
 
     busy_since: float = 0.0
     next_check: float = 0.0
@@ -357,6 +369,8 @@ class WarmPods:
                     actions.hand.append((pod, placement))
             # Then a new pod where there is room, or in place of an idle pod nobody wants.
             for placement in list(self._waiting):
+                if not self._may_grow(placement.key):
+                    continue  # pods of its spec are starting or waiting for capacity
                 if not self._has_room(placement.backend):
                     victim = self._retirable(placement.backend)
                     if victim is None:
@@ -374,12 +388,47 @@ class WarmPods:
                 self._pods.append(pod)
                 self._busy(pod, placement, now)
                 actions.start.append((pod, placement))
+            actions.retire.extend(self._make_room_for_waiting_pods())
         for victim in actions.retire:
             self._retire(victim)
         for pod, placement in actions.start:
             self._start(pod, placement)
         for pod, placement in actions.hand:
             self._hand(pod, placement)
+
+    def _may_grow(self, key: str) -> bool:
+        """Whether a new pod of spec `key` may start now (the module docstring's slow start)."""
+        pods = [p for p in self._pods if p.key == key and not p.ended and not p.retiring]
+        if any(p.capacity_wait for p in pods):
+            return False
+        proven = sum(1 for p in pods if p.proven)
+        return len(pods) - proven < max(RAMP, proven)
+
+    def _make_room_for_waiting_pods(self) -> list[WarmPod]:
+        """Idle pods that end to give their node to a pod of their spec waiting for one."""
+        wanted = {p.key for p in self._waiting}
+        idle = [
+            p
+            for p in self._pods
+            if p.placement is None
+            and p.idle_since is not None
+            and p.key not in wanted
+            and not (p.retiring or p.ended)
+        ]
+        victims = []
+        for pod in idle:
+            waiting = next(
+                (
+                    p
+                    for p in self._pods
+                    if p.key == pod.key and p.capacity_wait and not p.given_a_node and not p.ended
+                ),
+                None,
+            )
+            if waiting is not None:
+                waiting.given_a_node = pod.retiring = True
+                victims.append(pod)
+        return victims
 
     def _busy(self, pod: WarmPod, placement: Placement, now: float) -> None:
         pod.placement = placement
@@ -417,9 +466,14 @@ class WarmPods:
         pod.manifest = workload.job
 
         def on_pending(reason: str) -> None:
+            with self._lock:
+                waits = reason.startswith(WAITING_FOR_CAPACITY) and not pod.proven
+                started_waiting, pod.capacity_wait = waits and not pod.capacity_wait, waits
             current = pod.placement
             if current is not None:
                 current.launch.in_context(current.on_pending, current.launch, reason)
+            if started_waiting:
+                self._schedule()  # an idle pod of its spec may give it its node
 
         try:
             placement.backend.launch(
@@ -520,6 +574,7 @@ class WarmPods:
         except Exception:
             stays = False
         with self._lock:
+            pod.proven, pod.capacity_wait = True, False
             if pod.placement is not placement:
                 return  # the pod's exit got there first
             pod.placement = None

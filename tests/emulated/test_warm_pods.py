@@ -365,3 +365,25 @@ def test_a_map_on_the_emulated_cluster_runs_in_a_single_warm_job(gke, cluster):
 
     assert run() == [0, 1, 2, 3]
     assert len(cluster.created_jobs()) == 1
+
+
+def test_warm_pods_on_two_busy_nodes_share_the_map_instead_of_idling_on_their_nodes(gke, cluster):
+    from tests.support.kube_objects import gke_nodes
+
+    cluster.kubelet.nodes[:] = gke_nodes("l4-pool", "l4", 2)
+    runner = KineticTaskRunner(
+        cluster=gke, allow_loopback_api=True, accelerator="l4", warm_pods=True
+    )
+
+    @flow(task_runner=runner)
+    def run() -> list[int]:
+        return [future.result()["x"] for future in note_environment.map(range(12))]
+
+    started = time.monotonic()
+    assert run() == list(range(12))
+
+    # Without a bound on starting pods, each task got a Job of its own, and the pods that
+    # waited for a node waited out the idle time of the pods holding both nodes.
+    assert cluster.kubelet.most_bound["l4-pool"] == 2
+    assert len(cluster.created_jobs()) <= 4
+    assert time.monotonic() - started < 60  # warm_pod_idle_seconds, the default
