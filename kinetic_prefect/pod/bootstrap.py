@@ -350,6 +350,7 @@ def record_failure(job_dir: str, message: str, error: BaseException) -> None:
         "state_pickle": None,
         "result_storage_key": None,
         "result_sha256": None,
+        "result_record": None,
     }
     key = os.environ.get(SIGNING_KEY_ENV)
     signature = None

@@ -50,20 +50,23 @@ class WarmLoop:
             return None
         return cls(warm_dir, float(os.environ.get(WARM_IDLE_ENV) or "60"))
 
-    def _exists(self, name: str) -> bool:
-        store, key = storage.split_uri(f"{self.warm_dir}/{name}")
-        return store.exists(key)
+    def _read(self, name: str) -> bytes | None:
+        """The warm dir's `name`, or None while it is not there (one request either way)."""
+        try:
+            return storage.read_uri(f"{self.warm_dir}/{name}")
+        except FileNotFoundError:
+            return None
 
     def wait_for_assignment(self) -> Assignment | None:
         """The next assignment, or None once the pod has been idle for its idle time."""
         name = assignment_name(self.sequence + 1)
         deadline = time.monotonic() + self.idle_seconds
         interval = poll_seconds(self.warm_dir)
-        while not self._exists(name):
+        while (data := self._read(name)) is None:
             if time.monotonic() >= deadline:
                 return None
             time.sleep(interval)
-        assignment = Assignment.from_json(storage.read_uri(f"{self.warm_dir}/{name}"))
+        assignment = Assignment.from_json(data)
         self.sequence += 1
         # Written before anything of the task runs: a pod that exits without it never took it.
         storage.write_uri(f"{self.warm_dir}/{accepted_name(self.sequence)}", b"{}")

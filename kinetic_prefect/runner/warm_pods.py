@@ -12,7 +12,8 @@ task's own identity (job id, task run, payload, output dir, attempt number) can
 run one after the other in one pod.
 
 The runner learns that a task ended from its final record in its own
-`kinetic/{job_id}/` dir (polled while the pod is busy), or from the pod's exit.
+`kinetic/{job_id}/` dir (read while the pod is busy, at a pace that slows as the
+task goes on), or from the pod's exit.
 A pod that exits with a task it never accepted (it idled out just as the task
 was handed to it) gives the task back: it is placed again, on a fresh pod if need
 be, without touching the retry budget. Any other exit is the task's, exactly as
@@ -563,13 +564,11 @@ class WarmPods:
                 launch.in_context(placement.on_end, launch, ended)
         self._schedule()
 
-    def _task_ended(self, pod: WarmPod, placement: Placement) -> None:
-        """The task's final record is there: resolve it; the pod idles unless it ends."""
+    def _task_ended(self, pod: WarmPod, placement: Placement, data: bytes) -> None:
+        """The task's final record is there (`data`): resolve it; the pod idles unless it ends."""
         launch = placement.launch
         try:
-            record = FinalRecord.from_json(
-                pod.store.get_bytes(layout.job_file(launch.job_id, FINAL_STATE_JSON))
-            )
+            record = FinalRecord.from_json(data)
             stays = record.status != STATUS_PHASE_FAILED and record.state_type != "CRASHED"
         except Exception:
             stays = False
@@ -614,12 +613,14 @@ class WarmPods:
                 pod.next_check = now + pod.check_interval(now)
                 job_id = placement.launch.job_id
                 try:
-                    done = pod.store.exists(layout.job_file(job_id, FINAL_STATE_JSON))
+                    data = pod.store.get_bytes(layout.job_file(job_id, FINAL_STATE_JSON))
+                except FileNotFoundError:
+                    data = None
                 except Exception:
                     logger.debug("Could not look for the end of %s", job_id, exc_info=True)
                     continue
-                if done:
-                    self._task_ended(pod, placement)
+                if data is not None:
+                    self._task_ended(pod, placement, data)
                 elif pod.deadline is not None and now >= pod.deadline and not pod.deadline_hit:
                     with self._lock:
                         pod.deadline_hit = pod.retiring = True
