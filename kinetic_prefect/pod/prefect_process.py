@@ -131,6 +131,7 @@ def direct_result_writes(task: Any) -> None:
     `test_a_result_record_replaced_after_the_pod_wrote_it_is_refused_naming_it_never_unpickled`
     fails if the engine stops writing through the block's `write_path`.
     """
+    _WRITTEN.clear()  # a warm pod's earlier tasks: their records were reported
     storage = task.result_storage
     if getattr(storage, "_block_document_id", None) is None or not _is_gcs_bucket(storage):
         return
@@ -217,7 +218,7 @@ def unstored_result(state: Any, task: Any, logged: list[BaseException]) -> Any:
     through `direct_result_writes` is known to be stored; another GCS one is looked
     up here (its metadata only). A missing one fails the run with the error Prefect
     logged (a GCS 403 names the permission). None when the result is stored, not
-    persisted, or not on GCS. `test_a_task_pod_without_the_results_bucket_writer_role_
+    persisted, or not on GCS. `test_a_task_pod_that_cannot_write_the_results_bucket_
     fails_naming_storage_objects_create` fails if that changes.
     """
     from prefect.blocks.core import Block

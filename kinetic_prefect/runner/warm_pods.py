@@ -20,12 +20,13 @@ be, without touching the retry budget. Any other exit is the task's, exactly as
 for a cold pod. `max_parallel` counts warm pods, idle or not: a task that finds
 every slot taken and an idle pod of another spec retires that pod.
 
-Finite capacity. New pods of a spec start in a slow start: at most as many pods
-that have not yet ended a task as pods that have (and at least `RAMP`), and none
-while one of them waits for capacity (nodes of its kind busy): the task runs
-waiting for a pod then go to the pods that run. A pod idle with nothing of its spec
-waiting, while another pod of its spec waits for capacity, ends at once and gives
-its node to that pod, whose task would otherwise wait for the idle pod's idle time.
+Finite capacity. No new pod of a spec starts while one of them waits for capacity
+(nodes of its kind busy): the task runs waiting for a pod go to the pods that run.
+Without `max_parallel`, new pods of a spec also start in a slow start: at most as
+many pods that have not yet ended a task as pods that have (and at least `RAMP`).
+A pod idle with nothing of its spec waiting, while another pod of its spec waits for
+capacity, ends at once and gives its node to that pod, whose task would otherwise
+wait for the idle pod's idle time.
 """
 
 from __future__ import annotations
@@ -370,7 +371,7 @@ class WarmPods:
                     actions.hand.append((pod, placement))
             # Then a new pod where there is room, or in place of an idle pod nobody wants.
             for placement in list(self._waiting):
-                if not self._may_grow(placement.key):
+                if not self._may_grow(placement):
                     continue  # pods of its spec are starting or waiting for capacity
                 if not self._has_room(placement.backend):
                     victim = self._retirable(placement.backend)
@@ -397,11 +398,14 @@ class WarmPods:
         for pod, placement in actions.hand:
             self._hand(pod, placement)
 
-    def _may_grow(self, key: str) -> bool:
-        """Whether a new pod of spec `key` may start now (the module docstring's slow start)."""
+    def _may_grow(self, placement: Placement) -> bool:
+        """Whether a new pod of the placement's spec may start now (the module docstring)."""
+        key = placement.key
         pods = [p for p in self._pods if p.key == key and not p.ended and not p.retiring]
         if any(p.capacity_wait for p in pods):
             return False
+        if capacity(placement.backend) is not None:
+            return True  # the user said how many pods may run at once
         proven = sum(1 for p in pods if p.proven)
         return len(pods) - proven < max(RAMP, proven)
 
