@@ -63,7 +63,8 @@ def run_flow(runner_kind: str, n: int) -> None:
     cpu, wall = time.process_time(), time.perf_counter()
     states, values = fan_out(n)
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
-    print(json.dumps({"states": states, "right": values == [x + 1 for x in range(n)], "cpu": cpu, "wall": wall}))
+    right = values == [x + 1 for x in range(n)]
+    print(json.dumps({"states": states, "right": right, "cpu": cpu, "wall": wall}))
 
 
 def _flow_process(runner_kind: str, n: int, env: dict[str, str], cwd: Path) -> dict[str, object]:
