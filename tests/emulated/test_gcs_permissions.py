@@ -47,37 +47,36 @@ def cached_square(x: int) -> int:
     return x * x
 
 
-def jobs_only_bucket(gcs) -> str:
-    """A bucket with the documented grants of a jobs bucket and nothing else."""
+def only_bucket(gcs, placeholder: str) -> str:
+    """A new bucket with the documented grants of `placeholder` (JOBS_BUCKET or
+    RESULTS_BUCKET) and nothing else."""
     import uuid
 
-    name = gcs.client.create_bucket(f"kp-jobs-{uuid.uuid4().hex[:8]}").name
+    kind = placeholder.split("_")[0].lower()
+    name = gcs.client.create_bucket(f"kp-{kind}-{uuid.uuid4().hex[:8]}").name
     substitutions = {
-        "JOBS_BUCKET": name,
+        "JOBS_BUCKET": "not-this-bucket",
         "RESULTS_BUCKET": "not-this-bucket",
         "ENVIRONMENT_STORE": "nor-this-one",
         "PROJECT": kgcs.EMULATOR_PROJECT,
+        placeholder: name,
     }
     gcs.iam.grant(documented_grants(substitutions))
     return name
 
 
+def jobs_only_bucket(gcs) -> str:
+    """A bucket with the documented grants of a jobs bucket and nothing else."""
+    return only_bucket(gcs, "JOBS_BUCKET")
+
+
 def results_only_bucket(gcs):  # type: ignore[no-untyped-def]
     """A saved GcsBucket on a bucket with the documented grants of a results bucket only."""
-    import uuid
-
     from prefect_gcp.cloud_storage import GcsBucket
 
     from kinetic_prefect.blocks import KineticGcpCredentials
 
-    name = gcs.client.create_bucket(f"kp-results-{uuid.uuid4().hex[:8]}").name
-    substitutions = {
-        "JOBS_BUCKET": "not-this-bucket",
-        "RESULTS_BUCKET": name,
-        "ENVIRONMENT_STORE": "nor-this-one",
-        "PROJECT": kgcs.EMULATOR_PROJECT,
-    }
-    gcs.iam.grant(documented_grants(substitutions))
+    name = only_bucket(gcs, "RESULTS_BUCKET")
     block = GcsBucket(bucket=name, bucket_folder="results", gcp_credentials=KineticGcpCredentials())
     block.save(name, overwrite=True)
     return GcsBucket.load(name)
