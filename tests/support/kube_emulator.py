@@ -159,6 +159,8 @@ class ClusterEmulator(kmock.KubernetesEmulator):
     log_files: dict[tuple[str, str], Path] = attrs.field(factory=dict, init=False)
     finished_logs: set[tuple[str, str]] = attrs.field(factory=set, init=False)
     _changed: asyncio.Condition = attrs.field(factory=asyncio.Condition, init=False)
+    # Held by writes to an object that has a deletionTimestamp (see `_handle`).
+    _finalizing: asyncio.Lock = attrs.field(factory=asyncio.Lock, init=False)
     _cuts: int = attrs.field(default=0, init=False)
     _released: asyncio.Event = attrs.field(factory=asyncio.Event, init=False)
     faults: list[ApiFault] = attrs.field(factory=list, init=False)
@@ -340,6 +342,18 @@ class ClusterEmulator(kmock.KubernetesEmulator):
                 # The garbage collector holds a Foreground-deleted owner until its pods are gone.
                 async with self._lock:
                     self.objects[key].patch({"metadata": {"finalizers": ["foregroundDeletion"]}})
+        if request.resource is not None and request.name is not None:
+            stored = self.objects.get((request.resource, request.namespace, request.name))
+            if stored is not None and not stored.deleted and stored.raw["metadata"].get(
+                "deletionTimestamp"
+            ):
+                # kmock removes an object whose last finalizer went after it answered, outside
+                # its lock: two writes at once to an object being deleted (the kubelet's
+                # finalizer removal and Kueue's admission, say) both remove it, and the second
+                # fails with a 500. One at a time, the second finds it gone: a 404, as
+                # Kubernetes answers.
+                async with self._finalizing:
+                    return await super()._handle(request)
         return await super()._handle(request)
 
     async def _record(self, resource: Any, event: dict[str, Any]) -> None:
