@@ -280,7 +280,7 @@ def gke(gcs: object, cluster: KubeCluster, suite_environment: str) -> Iterator[s
 
     Every GKE-backend case runs with known values for Prefect's secret settings, and
     none of them may appear in what the case produced: Job manifests, payloads,
-    `handle.json`, final states or code archives.
+    final states or code archives.
     """
     from prefect.settings import temporary_settings
 

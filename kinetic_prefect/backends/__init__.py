@@ -30,7 +30,6 @@ def create_backend(settings: LaunchSettings, jobs_root: str, cluster: Any = None
         return KubernetesBackend(
             jobs_root,
             cluster=cluster,
-            gcp_credentials=settings.gcp_credentials,
             max_parallel=settings.max_parallel,
             pending_timeout_seconds=settings.pending_timeout_seconds,
             queue_timeout_seconds=settings.queue_timeout_seconds,

@@ -1,6 +1,6 @@
 """Job artifacts in the jobs store: listing and cleanup.
 
-Cleanup removes `kinetic/{job_id}/` (payload, handle, final state) and local
+Cleanup removes `kinetic/{job_id}/` (payload, final state) and local
 pod workspaces. It never touches `outputs/` (checkpoints and results outlive
 every pod), `data-cache/` or `code-cache/`: code archives are shared by every
 job with the same code, so one may still be in use by a running job; remove old

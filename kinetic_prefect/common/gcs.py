@@ -245,16 +245,21 @@ class GcsStore:
     def uri(self, key: str) -> str:
         return f"gs://{self.bucket_name}/{self._name(key)}"
 
-    def put_bytes(self, key: str, data: bytes) -> str:
-        return self.put_stream(key, io.BytesIO(data), len(data))
+    def put_bytes(self, key: str, data: bytes, metadata: dict[str, str] | None = None) -> str:
+        """Write the object (with custom `metadata`, in the same request)."""
+        return self.put_stream(key, io.BytesIO(data), len(data), metadata)
 
-    def put_stream(self, key: str, stream: BinaryIO, size: int) -> str:
+    def put_stream(
+        self, key: str, stream: BinaryIO, size: int, metadata: dict[str, str] | None = None
+    ) -> str:
         from google.cloud.storage.retry import DEFAULT_RETRY
 
         # A resumable upload rewinds `stream` to the last byte GCS confirmed and
         # re-sends from there; `stream` must support tell() and seek().
         blob = self._blob(key)
         blob.chunk_size = UPLOAD_CHUNK_BYTES
+        if metadata:
+            blob.metadata = metadata
         blob.upload_from_file(stream, size=size, rewind=False, retry=DEFAULT_RETRY)
         with self._counters:
             self.bytes_uploaded += size
@@ -270,6 +275,11 @@ class GcsStore:
         except NotFound as exc:
             raise FileNotFoundError(self.uri(key)) from exc
         return data
+
+    def get_metadata(self, key: str) -> dict[str, str] | None:
+        """The object's custom metadata ({} if it has none); None when there is no object."""
+        blob = self.client.bucket(self.bucket_name).get_blob(self._name(key))
+        return None if blob is None else dict(blob.metadata or {})
 
     def get_file(self, key: str, destination: Path) -> None:
         destination.parent.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,6 @@
 The jobs store is one prefix, `gs://{jobs bucket}/...` on gke or `.kinetic/` locally::
 
     kinetic/{job_id}/payload.pkl         the pickled task run (one per attempt)
-    kinetic/{job_id}/handle.json         written before the Job is created (gke)
     kinetic/{job_id}/final-state.json    the pod's signed word on how it ended (and its Prefect
                                          state, when the task ran), written last
     kinetic/{job_id}/warm-pod.json       the warm pod that ran this job's task
@@ -29,7 +28,6 @@ RESULT_SEALS_PREFIX = "result-seals"
 OUTPUTS_PREFIX = "outputs"
 
 PAYLOAD_FILE = "payload.pkl"
-HANDLE_FILE = "handle.json"
 FINAL_STATE_JSON = "final-state.json"
 WARM_POD_JSON = "warm-pod.json"
 

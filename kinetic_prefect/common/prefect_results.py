@@ -27,6 +27,8 @@ class StoredRecord:
 
     location: str
     data: bytes
+    # The seal the record carries in its own metadata (`read_stored(..., with_seal=True)`).
+    seal: bytes | None = None
 
     @property
     def sha256(self) -> str:
@@ -54,7 +56,9 @@ def _location(storage: Any, key: str) -> str:
     return f"{key} (result storage block {getattr(storage, '_block_document_name', '?')})"
 
 
-def read_stored(metadata: Any, gcp_credentials: Any = None) -> StoredRecord:
+def read_stored(
+    metadata: Any, gcp_credentials: Any = None, with_seal: bool = False
+) -> StoredRecord:
     """The bytes of the result record `metadata` refers to, read once from its result storage.
 
     With `gcp_credentials` (a prefect-gcp `GcpCredentials` block: the orchestrator's
@@ -62,7 +66,8 @@ def read_stored(metadata: Any, gcp_credentials: Any = None) -> StoredRecord:
     the one the jobs bucket is used as; else as the storage block's own credentials.
     A GCS record is read with this process's shared client in one request (prefect-gcp's
     block would make a client and look the bucket up first); `FileNotFoundError` when
-    there is none.
+    there is none. `with_seal` also reads the seal a pod put in a GCS record's metadata
+    (a request before the bytes; a missing record costs that one request only).
     """
     from prefect.results import resolve_result_storage
 
@@ -75,7 +80,15 @@ def read_stored(metadata: Any, gcp_credentials: Any = None) -> StoredRecord:
         bucket, name = split_gs_uri(location)
         identity = gcp_credentials or getattr(storage, "gcp_credentials", None)
         store = GcsStore(f"gs://{bucket}", gcp_credentials=identity)
-        return StoredRecord(location, store.get_bytes(name))
+        seal = None
+        if with_seal:
+            from kinetic_prefect.common.records import SEAL_METADATA_KEY
+
+            found = store.get_metadata(name)
+            if found is None:
+                raise FileNotFoundError(location)
+            seal = found[SEAL_METADATA_KEY].encode() if SEAL_METADATA_KEY in found else None
+        return StoredRecord(location, store.get_bytes(name), seal)
     return StoredRecord(location, storage.read_path(key, _sync=True))
 
 

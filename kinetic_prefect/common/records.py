@@ -82,13 +82,19 @@ class FinalRecord(signing.SignedRecord):
         return cls(**known)
 
 
+# The custom metadata key of a GCS result record that carries its seal.
+SEAL_METADATA_KEY = "kinetic-result-seal"
+
+
 @dataclass
 class ResultSeal(signing.SignedRecord):
     """A pod's signed word on a result record it persisted: where it is and its sha256.
 
-    Kept in the jobs store (`layout.result_seal_key`) so that a later flow run whose
-    cache policy hits the record can check it too; signed with the key of the flow
-    run that wrote it, which the orchestrator derives from its master key.
+    Kept so that a later flow run whose cache policy hits the record can check it
+    too: in the record's own custom metadata (`SEAL_METADATA_KEY`) when the pod wrote
+    the record to GCS itself, else in the jobs store (`layout.result_seal_key`).
+    Signed with the key of the flow run that wrote it, which the orchestrator derives
+    from its master key.
     """
 
     flow_run_id: str

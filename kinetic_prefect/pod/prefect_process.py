@@ -117,6 +117,26 @@ def logged_task_run_errors() -> Iterator[list[BaseException]]:
 _WRITTEN: dict[str, tuple[str, bytes | None]] = {}
 
 
+def result_seal(task_run: Any, storage_block_id: str, storage_key: str, sha256: str) -> Any:
+    """The pod's signed `ResultSeal` of a result record of `task_run` it persisted."""
+    import os
+
+    from kinetic_prefect.common.env import SIGNING_KEY_ENV
+    from kinetic_prefect.common.records import ResultSeal
+
+    seal = ResultSeal(
+        flow_run_id=str(task_run.flow_run_id or "no-flow-run"),
+        task_run_id=str(task_run.id),
+        storage_block_id=storage_block_id,
+        storage_key=storage_key,
+        sha256=sha256,
+    )
+    key = os.environ.get(SIGNING_KEY_ENV)
+    if key:
+        seal.sign(key)
+    return seal
+
+
 def direct_result_writes(task: Any) -> None:
     """Let the task's GCS result storage write through this process's GCS client.
 
@@ -125,7 +145,8 @@ def direct_result_writes(task: Any) -> None:
     block id (records keep referring to the saved block), writes the same bytes to
     the same object in one request and remembers what it wrote (`written_record`): the
     pod signs its digest without reading the record back (a small one travels in the
-    final-state record), and knows the write landed without asking. The orchestrator
+    final-state record), and knows the write landed without asking. The record's seal
+    (`result_seal`) goes into its custom metadata in the same request. The orchestrator
     decided the cache lookup before the pod started, so the engine here does not look
     up again (`refresh_cache`): it writes.
     `test_a_result_record_replaced_after_the_pod_wrote_it_is_refused_naming_it_never_unpickled`
@@ -161,13 +182,21 @@ def _direct_class(base: type) -> Any:
         return _DIRECT_CLASSES[base]
 
     def write(self: Any, path: str, content: bytes) -> str:
+        from prefect.context import TaskRunContext
+
         from kinetic_prefect.common.gcs import GcsStore
-        from kinetic_prefect.common.records import INLINE_RESULT_BYTES
+        from kinetic_prefect.common.records import INLINE_RESULT_BYTES, SEAL_METADATA_KEY
 
         resolved = self._resolve_path(path)
         store = GcsStore(f"gs://{self.bucket}", gcp_credentials=self.gcp_credentials)
+        sha256 = hashlib.sha256(content).hexdigest()
+        context = TaskRunContext.get()
+        metadata = None
+        if context is not None:
+            seal = result_seal(context.task_run, str(self._block_document_id), path, sha256)
+            metadata = {SEAL_METADATA_KEY: seal.to_json().decode()}
         small = content if len(content) <= INLINE_RESULT_BYTES else None
-        _WRITTEN[store.put_bytes(resolved, content)] = (hashlib.sha256(content).hexdigest(), small)
+        _WRITTEN[store.put_bytes(resolved, content, metadata)] = (sha256, small)
         return str(resolved)
 
     def write_path(self: Any, path: str, content: bytes, **_dispatch: Any) -> str:

@@ -39,7 +39,6 @@ from kinetic_prefect.common.records import (
     STATUS_FINISHED,
     STATUS_PHASE_FAILED,
     FinalRecord,
-    ResultSeal,
 )
 from kinetic_prefect.pod import prefect_process
 from kinetic_prefect.pod import slice as slice_host
@@ -113,18 +112,14 @@ class PodRun:
         storage.write_uri(f"{self.job_dir}/{FINAL_STATE_JSON}", record.to_json())
 
     def write_result_seal(self, reference: Any, sha256: str) -> None:
-        """The signed digest of a persisted result record, for later cache hits on it."""
-        task_run = self.contents["task_run"]
-        seal = ResultSeal(
-            flow_run_id=str(task_run.flow_run_id or "no-flow-run"),
-            task_run_id=str(task_run.id),
-            storage_block_id=str(reference.storage_block_id),
-            storage_key=str(reference.storage_key),
-            sha256=sha256,
+        """The signed digest of a persisted result record, for later cache hits on it
+        (a record the pod wrote itself carries it in its metadata instead)."""
+        seal = prefect_process.result_seal(
+            self.contents["task_run"],
+            str(reference.storage_block_id),
+            str(reference.storage_key),
+            sha256,
         )
-        key = os.environ.get(SIGNING_KEY_ENV)
-        if key:
-            seal.sign(key)
         where = layout.result_seal_key(seal.storage_block_id, seal.storage_key)
         storage.write_uri(f"{layout.store_root_of(self.job_dir)}/{where}", seal.to_json())
 
@@ -411,8 +406,8 @@ def report(run: PodRun, state: Any) -> int:
             if written is None:
                 stored = prefect_results.read_stored(reference)
                 written = (stored.sha256, stored.data)
+                run.write_result_seal(reference, written[0])
             record.carry_result(str(reference.storage_key), *written)
-            run.write_result_seal(reference, written[0])
         run.write_record(record)
     return EXIT_COMPLETED if state.is_completed() else EXIT_TASK_NOT_COMPLETED
 

@@ -10,9 +10,10 @@ the pod signed, and deserialises those same bytes (`prefect_results.load_record`
   final-state record, and so is a small record's copy (read from there, not from
   result storage).
 - On a cache hit (`cached_state`) in saved result storage: the record may come
-  from another flow run, so the digest is in the seal its pod left in the jobs
-  store (`common.records.ResultSeal`), signed with that flow run's key. (Unsaved
-  result storage is the local backend's own disk, read as Prefect reads it.)
+  from another flow run, so the digest is in the seal its pod left
+  (`common.records.ResultSeal`: in the GCS record's metadata, else in the jobs
+  store), signed with that flow run's key. (Unsaved result storage is the local
+  backend's own disk, read as Prefect reads it.)
 
 A digest that does not match, or a signature that does not verify, fails the
 task run with `TamperedResultError` naming the record and the task run; a
@@ -96,7 +97,7 @@ def cached_state(
         storage_key=key, storage_block_id=block_id, serializer=result_store.serializer
     )
     try:
-        stored = prefect_results.read_stored(reference, jobs_store.gcp_credentials)
+        stored = prefect_results.read_stored(reference, jobs_store.gcp_credentials, with_seal=True)
     except Exception as exc:
         denied = prefect_bridge.denied_lookup(exc, result_store.result_storage)
         if denied is not None:
@@ -104,7 +105,7 @@ def cached_state(
         return None  # no record under the key: no cache hit
     try:
         seal = ResultSeal.from_json(
-            jobs_store.get_bytes(layout.result_seal_key(str(block_id), key))
+            stored.seal or jobs_store.get_bytes(layout.result_seal_key(str(block_id), key))
         )
     except Exception:
         logger.warning(

@@ -227,7 +227,7 @@ def test_the_orchestrator_acts_as_the_clusters_gcp_credentials_and_pods_never_ge
     assert leaks(secret_parts, artifacts) == []
 
 
-def test_a_cold_task_pod_makes_five_gcs_requests_and_looks_no_bucket_up(gke, cluster, gcs):
+def test_a_cold_task_pod_makes_four_gcs_requests_and_looks_no_bucket_up(gke, cluster, gcs):
     @flow(task_runner=KineticTaskRunner(cluster=gke, allow_loopback_api=True, warm_pods=False))
     def cubes() -> list[int]:
         return [f.result() for f in cube.map([1, 2, 3, 4])]
@@ -240,9 +240,11 @@ def test_a_cold_task_pod_makes_five_gcs_requests_and_looks_no_bucket_up(gke, clu
         for member, m, p in gcs.iam.requests
         if member == PODS_MEMBER and "env-cache" not in p and ENVIRONMENTS_BUCKET not in p
     ]
-    # Each pod: payload and code down; result record, its seal and the final state up.
-    assert len(pods) == 4 * 5, pods
+    # Each pod: payload and code down; the result record (its seal in its metadata) and the
+    # final state up.
+    assert len(pods) == 4 * 4, pods
     assert [p for _, p in pods if re.fullmatch(r"/storage/v1/b/[^/?]+(\?.*)?", p)] == []
+    assert [p for _, p in pods if "result-seals" in p] == []
 
 
 def test_jobs_bucket_check_says_a_missing_bucket_does_not_exist(gcs):

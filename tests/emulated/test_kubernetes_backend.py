@@ -106,7 +106,7 @@ def test_mapped_results_come_back_from_job_pods_through_gcs_result_storage(gke, 
     assert results == [1, 8, 27]
     assert sorted(j["metadata"]["name"] for j in cluster.created_jobs()) == sorted(job_ids)
     assert len(gcs.names("results/")) >= 3
-    assert all(f"kinetic/{job_id}/handle.json" in gcs.names("kinetic/") for job_id in job_ids)
+    assert all(f"kinetic/{job_id}/final-state.json" in gcs.names("kinetic/") for job_id in job_ids)
 
 
 def test_a_pod_sees_its_manifests_env_but_not_a_variable_set_only_in_the_test_process(

@@ -348,14 +348,35 @@ class _WritesMarkerWhenUnpickled:
         return (Path(self.marker).write_text, ("unpickled",))
 
 
-def _replace_result(metadata: Any, marker: Path) -> None:
-    """Rewrite the result record in its storage: the same record, its value a booby trap."""
+def _replace_result(metadata: Any, marker: Path, keep_seal: bool = False) -> None:
+    """Rewrite the result record in its storage: the same record, its value a booby trap.
+
+    A new object has no custom metadata; `keep_seal` copies the old one's (the pod's
+    seal) onto it, as anyone who may write the bucket can.
+    """
     from prefect.results import ResultRecord, resolve_result_storage
 
     results: Any = resolve_result_storage(metadata.storage_block_id, _sync=True)  # type: ignore[call-arg]
+    if keep_seal:
+        bucket = results.gcp_credentials.get_cloud_storage_client().bucket(results.bucket)
+        old = bucket.get_blob(results._resolve_path(metadata.storage_key))
     stored = ResultRecord.deserialize(results.read_path(metadata.storage_key, _sync=True))
     stored.result = _WritesMarkerWhenUnpickled(str(marker))
     results.write_path(metadata.storage_key, stored.serialize(), _sync=True)
+    if keep_seal:
+        new = bucket.get_blob(old.name)
+        assert old.metadata and not new.metadata
+        new.metadata = old.metadata
+        new.patch()
+
+
+def _rewrite_without_seal(metadata: Any) -> None:
+    """Write the result record's bytes again, unread, as a new object without metadata."""
+    from prefect.results import resolve_result_storage
+
+    results: Any = resolve_result_storage(metadata.storage_block_id, _sync=True)  # type: ignore[call-arg]
+    data = results.read_path(metadata.storage_key, _sync=True)
+    results.write_path(metadata.storage_key, data, _sync=True)
 
 
 def _results_runner(
@@ -458,7 +479,7 @@ def test_a_cached_result_record_replaced_in_the_bucket_is_refused_naming_it_neve
 
     first_type, first_value, first_record = square()
     marker = workdir / "unpickled"
-    _replace_result(first_record.metadata, marker)  # type: ignore[attr-defined]
+    _replace_result(first_record.metadata, marker, keep_seal=True)  # type: ignore[attr-defined]
 
     second_type, error, _ = square()
 
@@ -466,4 +487,9 @@ def test_a_cached_result_record_replaced_in_the_bucket_is_refused_naming_it_neve
     assert second_type == "FAILED"
     assert isinstance(error, TamperedResultError)
     assert first_record.metadata.storage_key in str(error)  # type: ignore[attr-defined]
+    assert not marker.exists()
+
+    # Written again without the seal, it is no kinetic pod's record: the task runs again.
+    _rewrite_without_seal(first_record.metadata)  # type: ignore[attr-defined]
+    assert square()[:2] == ("COMPLETED", base * base)
     assert not marker.exists()

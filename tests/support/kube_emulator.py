@@ -343,9 +343,12 @@ class ClusterEmulator(kmock.KubernetesEmulator):
                 async with self._lock:
                     self.objects[key].patch({"metadata": {"finalizers": ["foregroundDeletion"]}})
         if request.resource is not None and request.name is not None:
-            stored = self.objects.get((request.resource, request.namespace, request.name))
-            if stored is not None and not stored.deleted and stored.raw["metadata"].get(
-                "deletionTimestamp"
+            key = (request.resource, request.namespace, request.name)
+            stored = self.objects[key] if key in self.objects else None  # noqa: SIM401 (no .get)
+            if (
+                stored is not None
+                and not stored.deleted
+                and stored.raw["metadata"].get("deletionTimestamp")
             ):
                 # kmock removes an object whose last finalizer went after it answered, outside
                 # its lock: two writes at once to an object being deleted (the kubelet's

@@ -43,7 +43,6 @@ from kinetic_prefect.backends.gke.client import (
     read_json,
 )
 from kinetic_prefect.backends.gke.ending import JobEnding
-from kinetic_prefect.backends.gke.handle import write_handle
 from kinetic_prefect.backends.gke.kueue import QUEUE_POLL_SECONDS, QueueReader
 from kinetic_prefect.backends.gke.loop_thread import LoopThread
 from kinetic_prefect.backends.gke.outcomes import SETTLE_MARGIN_SECONDS, OutcomeTracker
@@ -51,7 +50,6 @@ from kinetic_prefect.backends.gke.secrets import JobSecrets
 from kinetic_prefect.backends.gke.slice import create_services
 from kinetic_prefect.backends.gke.status import suspended, true_condition
 from kinetic_prefect.backends.gke.watch import CREDENTIALS_DENIED_SECONDS, JobWatch, TrackedJob
-from kinetic_prefect.common.storage import open_store
 from kinetic_prefect.launch.manifest import (
     LABEL_FLOW_RUN_ID,
     LABEL_JOB_ID,
@@ -98,7 +96,6 @@ class KubernetesBackend(JobEnding):
         cancel_grace_seconds: float = 10.0,
         kube_context: str | None = None,
         credentials_denied_timeout_seconds: float = CREDENTIALS_DENIED_SECONDS,
-        gcp_credentials: Any = None,
         queue_poll_seconds: float = QUEUE_POLL_SECONDS,
     ) -> None:
         self.jobs_root = jobs_root
@@ -111,7 +108,6 @@ class KubernetesBackend(JobEnding):
         self.launch_count = 0
         self._lock = threading.Lock()
         self._closed = False
-        self._store = open_store(jobs_root, gcp_credentials)
         self._runtime = LoopThread("kinetic-gke-watcher", on_shutdown=self._close_access)
         self._callbacks = concurrent.futures.ThreadPoolExecutor(
             max_workers=8, thread_name_prefix="kinetic-gke-callback"
@@ -179,16 +175,11 @@ class KubernetesBackend(JobEnding):
                 raise RuntimeError("The gke backend is closed; submit inside the flow run.")
             self.launch_count += 1
         self._runtime.start()
-        access = self._runtime.call(self._connect())
-        self._write_handle(job_id, namespace, access, created=None)
+        self._runtime.call(self._connect())
         job = TrackedJob(job_id, namespace, manifest, on_exit, on_pending)
         job.hosts, job.extra_objects = hosts_of(manifest), companions
         job.secret_names = tuple(secrets)
-        try:
-            self._runtime.call(self._launch(job, secrets))
-        except BaseException as exc:
-            self._write_handle(job_id, namespace, access, created=False, error=str(exc))
-            raise
+        self._runtime.call(self._launch(job, secrets))
 
     def find_pods(self, flow_run_id: str, namespace: str) -> list[FoundPod]:
         """The flow run's Jobs in `namespace` that other runners launched: one list request."""
@@ -305,13 +296,6 @@ class KubernetesBackend(JobEnding):
         job.last_callback = self._callbacks.submit(call)
 
     # -- launching --------------------------------------------------------------------
-
-    def _write_handle(
-        self, job_id: str, namespace: str, access: Any, created: bool | None, error: str = ""
-    ) -> None:
-        write_handle(
-            self._store, self.cluster, self.runner_id, job_id, namespace, access, created, error
-        )
 
     async def _launch(self, job: TrackedJob, secrets: Secrets) -> None:
         await self._secrets.ensure(self._core, job.namespace, secrets)
