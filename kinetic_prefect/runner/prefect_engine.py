@@ -185,6 +185,38 @@ def recorded_run_count(task_run_id: uuid.UUID) -> int:
         return 0
 
 
+# Prefect's API answers at most 200 runs per read (PREFECT_API_DEFAULT_LIMIT's default).
+_READ_LIMIT = 200
+
+
+def ended_task_runs(task_run_ids: list[uuid.UUID]) -> set[uuid.UUID]:
+    """Those of `task_run_ids` whose state in the API is final: one request for them all."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import (
+        TaskRunFilter,
+        TaskRunFilterId,
+        TaskRunFilterState,
+        TaskRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import TERMINAL_STATES
+
+    ended: set[uuid.UUID] = set()
+    with get_client(sync_client=True) as client:
+        for start in range(0, len(task_run_ids), _READ_LIMIT):
+            chunk = task_run_ids[start : start + _READ_LIMIT]
+            runs = client.read_task_runs(
+                task_run_filter=TaskRunFilter(
+                    id=TaskRunFilterId(any_=chunk),
+                    state=TaskRunFilterState(
+                        type=TaskRunFilterStateType(any_=list(TERMINAL_STATES))
+                    ),
+                ),
+                limit=len(chunk),
+            )
+            ended.update(run.id for run in runs)
+    return ended
+
+
 def create_artifact(task_run: TaskRun, kind: str, description: str, data: Any) -> None:
     """Attach an artifact (markdown, table, ...) to the task run in the Prefect UI."""
     from prefect import get_client

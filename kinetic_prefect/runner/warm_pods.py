@@ -12,8 +12,11 @@ task's own identity (job id, task run, payload, output dir, attempt number) can
 run one after the other in one pod.
 
 The runner learns that a task ended from its final record in its own
-`kinetic/{job_id}/` dir (read while the pod is busy, at a pace that slows as the
-task goes on), or from the pod's exit.
+`kinetic/{job_id}/` dir, or from the pod's exit. It reads the record once the Prefect
+API shows the task run's state final: one request asks about every busy pod's task
+run, at a pace that slows as tasks go on. A record is also read every
+`DIRECT_LOOK_SECONDS` without that (a task can end without a final state: the pod
+failed before the engine ran), and for every busy pod while the API does not answer.
 A pod that exits with a task it never accepted (it idled out just as the task
 was handed to it) gives the task back: it is placed again, on a fresh pod if need
 be, without touching the retry budget. Any other exit is the task's, exactly as
@@ -58,6 +61,7 @@ from kinetic_prefect.launch.manifest import (
 )
 from kinetic_prefect.launch.pod_secrets import PodSecrets
 from kinetic_prefect.launch.slices import build_workload
+from kinetic_prefect.runner import prefect_engine
 
 if TYPE_CHECKING:
     from kinetic_prefect.runner.task_launch import AttemptHooks, TaskLaunch
@@ -69,6 +73,9 @@ logger = get_logger("kinetic_prefect.runner.warm_pods")
 _PER_TASK_ENV = (ATTEMPT_ENV,)
 # Pods of a spec that may be starting (no task ended yet) however few pods have run one.
 RAMP = 4
+# How often a busy pod's final record is read although the Prefect API shows its task run
+# still going: a task that ended without a final Prefect state (a phase failure in the pod).
+DIRECT_LOOK_SECONDS = 10.0
 
 OnEnd = Callable[["TaskLaunch", PodExit], None]
 OnPending = Callable[["TaskLaunch", str], None]
@@ -154,6 +161,7 @@ class WarmPod:
 
     busy_since: float = 0.0
     next_check: float = 0.0
+    next_look: float = 0.0  # when to read the final record even if the API says nothing
 
     def check_interval(self, now: float) -> float:
         """How soon to look for the running task's end again: promptly at first, then
@@ -438,6 +446,7 @@ class WarmPods:
     def _busy(self, pod: WarmPod, placement: Placement, now: float) -> None:
         pod.placement = placement
         pod.busy_since = pod.next_check = now
+        pod.next_look = now + DIRECT_LOOK_SECONDS
         timeout = placement.spec.timeout_seconds
         pod.deadline = now + timeout if timeout else None
 
@@ -590,6 +599,20 @@ class WarmPods:
 
     # -- the poller: task ends and deadlines of busy pods ----------------------------------
 
+    @staticmethod
+    def _ended_in_api(due: list[tuple[WarmPod, Placement]]) -> set[Any] | None:
+        """Which due task runs' states are final in the Prefect API (one request for all of
+        them); None when the API could not say, and each pod's final record is read."""
+        if not due:
+            return set()
+        ids = [placement.launch.task_run.id for _, placement in due]
+        try:
+            ended: set[Any] = due[0][1].launch.in_context(prefect_engine.ended_task_runs, ids)
+        except Exception:
+            logger.debug("Could not read the states of busy warm pods' tasks", exc_info=True)
+            return None
+        return ended
+
     def _watch(self) -> None:
         with self._lock:
             if self._poller is None or not self._poller.is_alive():
@@ -610,11 +633,19 @@ class WarmPods:
                 self._wake.clear()
                 continue
             now = time.monotonic()
-            for pod, placement in busy:
-                assert placement is not None
-                if pod.next_check > now:
-                    continue
+            due = [(p, pl) for p, pl in busy if pl is not None and p.next_check <= now]
+            ended = self._ended_in_api(due)
+            for pod, placement in due:
                 pod.next_check = now + pod.check_interval(now)
+                past_deadline = pod.deadline is not None and now >= pod.deadline
+                if not (
+                    ended is None
+                    or placement.launch.task_run.id in ended
+                    or now >= pod.next_look
+                    or past_deadline  # a last look before the deadline ends the pod
+                ):
+                    continue
+                pod.next_look = now + DIRECT_LOOK_SECONDS
                 job_id = placement.launch.job_id
                 try:
                     data = pod.store.get_bytes(layout.job_file(job_id, FINAL_STATE_JSON))
@@ -625,7 +656,7 @@ class WarmPods:
                     continue
                 if data is not None:
                     self._task_ended(pod, placement, data)
-                elif pod.deadline is not None and now >= pod.deadline and not pod.deadline_hit:
+                elif past_deadline and not pod.deadline_hit:
                     with self._lock:
                         pod.deadline_hit = pod.retiring = True
                     pod.backend.cancel(pod.pod_id)

@@ -387,3 +387,26 @@ def test_warm_pods_on_two_busy_nodes_share_the_map_instead_of_idling_on_their_no
     assert cluster.kubelet.most_bound["l4-pool"] == 2
     assert len(cluster.created_jobs()) <= 4
     assert time.monotonic() - started < 60  # warm_pod_idle_seconds, the default
+
+
+def test_the_runner_reads_a_warm_tasks_final_record_once_the_api_shows_it_ended(gke, cluster, gcs):
+    from tests.support.gcs_iam import USER_MEMBER
+
+    runner = KineticTaskRunner(cluster=gke, allow_loopback_api=True, warm_pods=True, max_parallel=1)
+
+    @flow(task_runner=runner)
+    def run() -> list[int]:
+        return [future.result() for future in busy_for.map([3.0] * 3)]
+
+    started = time.monotonic()
+    assert len(set(run())) == 1
+    wall = time.monotonic() - started
+
+    reads = [
+        path
+        for member, method, path in gcs.iam.requests
+        if member == USER_MEMBER and method == "GET" and "final-state.json" in path
+    ]
+    # One read per task once the API shows its state final, and a look every 10 s without
+    # that. Reading each busy pod's record every 0.5 s or so made about two per second.
+    assert len(reads) <= 3 + wall / 10 + 2, (len(reads), wall)
