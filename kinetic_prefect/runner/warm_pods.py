@@ -12,11 +12,12 @@ task's own identity (job id, task run, payload, output dir, attempt number) can
 run one after the other in one pod.
 
 The runner learns that a task ended from its final record in its own
-`kinetic/{job_id}/` dir, or from the pod's exit. It reads the record once the Prefect
-API shows the task run's state final: one request asks about every busy pod's task
-run, at a pace that slows as tasks go on. A record is also read every
+`kinetic/{job_id}/` dir, or from the pod's exit. On a bucket it reads the record once
+the Prefect API shows the task run's state final: one request asks about every busy
+pod's task run, at a pace that slows as tasks go on. A record is also read every
 `DIRECT_LOOK_SECONDS` without that (a task can end without a final state: the pod
-failed before the engine ran), and for every busy pod while the API does not answer.
+failed before the engine ran), and for every busy pod while the API has not answered
+within `API_WAIT_SECONDS`. On a local jobs dir each look reads the records.
 A pod that exits with a task it never accepted (it idled out just as the task
 was handed to it) gives the task back: it is placed again, on a fresh pod if need
 be, without touching the retry budget. Any other exit is the task's, exactly as
@@ -35,6 +36,7 @@ wait for the idle pod's idle time.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import json
 import threading
@@ -76,6 +78,8 @@ RAMP = 4
 # How often a busy pod's final record is read although the Prefect API shows its task run
 # still going: a task that ended without a final Prefect state (a phase failure in the pod).
 DIRECT_LOOK_SECONDS = 10.0
+# How long the poller waits for the API's answer before it reads the final records itself.
+API_WAIT_SECONDS = 2.0
 
 OnEnd = Callable[["TaskLaunch", PodExit], None]
 OnPending = Callable[["TaskLaunch", str], None]
@@ -271,6 +275,7 @@ class WarmPods:
         self._waiting: collections.deque[Placement] = collections.deque()
         self._wake = threading.Event()
         self._poller: threading.Thread | None = None
+        self._api_query: concurrent.futures.Future[set[Any]] | None = None
         self._closed = False
 
     # -- the launcher's hooks -----------------------------------------------------
@@ -599,15 +604,30 @@ class WarmPods:
 
     # -- the poller: task ends and deadlines of busy pods ----------------------------------
 
-    @staticmethod
-    def _ended_in_api(due: list[tuple[WarmPod, Placement]]) -> set[Any] | None:
+    def _ended_in_api(self, due: list[tuple[WarmPod, Placement]]) -> set[Any] | None:
         """Which due task runs' states are final in the Prefect API (one request for all of
-        them); None when the API could not say, and each pod's final record is read."""
-        if not due:
-            return set()
+        them); None when each due pod's final record is to be read instead: a local store
+        (a read costs nothing), or the API did not answer within `API_WAIT_SECONDS` (the
+        question stays asked; deadlines and other ends are not held up meanwhile)."""
+        if not due or "://" not in due[0][0].store.uri(""):
+            return None
+        if self._api_query is not None and not self._api_query.done():
+            return None
         ids = [placement.launch.task_run.id for _, placement in due]
+        launch = due[0][1].launch
+        query: concurrent.futures.Future[set[Any]] = concurrent.futures.Future()
+
+        def ask() -> None:
+            try:
+                query.set_result(launch.in_context(prefect_engine.ended_task_runs, ids))
+            except BaseException as exc:
+                query.set_exception(exc)
+
+        # A daemon thread: an API that hangs holds up neither the poller nor the exit.
+        threading.Thread(target=ask, name="kinetic-warm-api", daemon=True).start()
+        self._api_query = query
         try:
-            ended: set[Any] = due[0][1].launch.in_context(prefect_engine.ended_task_runs, ids)
+            ended: set[Any] = query.result(timeout=API_WAIT_SECONDS)
         except Exception:
             logger.debug("Could not read the states of busy warm pods' tasks", exc_info=True)
             return None
@@ -635,17 +655,20 @@ class WarmPods:
             now = time.monotonic()
             due = [(p, pl) for p, pl in busy if pl is not None and p.next_check <= now]
             ended = self._ended_in_api(due)
+            now = time.monotonic()
             for pod, placement in due:
-                pod.next_check = now + pod.check_interval(now)
                 past_deadline = pod.deadline is not None and now >= pod.deadline
-                if not (
+                look = (
                     ended is None
                     or placement.launch.task_run.id in ended
                     or now >= pod.next_look
                     or past_deadline  # a last look before the deadline ends the pod
-                ):
+                )
+                if look:
+                    pod.next_look = now + DIRECT_LOOK_SECONDS
+                pod.next_check = min(now + pod.check_interval(now), pod.next_look)
+                if not look:
                     continue
-                pod.next_look = now + DIRECT_LOOK_SECONDS
                 job_id = placement.launch.job_id
                 try:
                     data = pod.store.get_bytes(layout.job_file(job_id, FINAL_STATE_JSON))

@@ -1,4 +1,4 @@
-"""Looking for secret values where they must never be: manifests, payloads, handles, archives."""
+"""Looking for secret values where they must never be: manifests, payloads, records, archives."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Owns `KubernetesBackend`: its synchronous API (launch, cancel, logs, close), the
 event loop thread every API call runs on, creating Jobs within `max_parallel`
-(with their `kube_handle` and `kube_secrets`), deleting them, and reporting how
+(with their Secret, `secrets`), deleting them, and reporting how
 each job ended. What is known of
 each job comes from `kube_watch.JobWatch`; when and how it ended is decided by
 `kube_outcomes.OutcomeTracker`; both read Job and pod objects through
