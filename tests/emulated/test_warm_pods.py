@@ -407,6 +407,7 @@ def test_the_runner_reads_a_warm_tasks_final_record_once_the_api_shows_it_ended(
         for member, method, path in gcs.iam.requests
         if member == USER_MEMBER and method == "GET" and "final-state.json" in path
     ]
-    # One read per task once the API shows its state final, and a look every 10 s without
-    # that. Reading each busy pod's record every 0.5 s or so made about two per second.
-    assert len(reads) <= 3 + wall / 10 + 2, (len(reads), wall)
+    # One read per task once the API shows its state final, a look every 10 s without that,
+    # and a look at each check whose API answer took over 2 s (8 reads in 29 s were seen on a
+    # loaded machine). Reading each busy pod's record every 0.5 s or so made 56 in 34 s.
+    assert len(reads) <= 3 + wall / 4, (len(reads), wall)
