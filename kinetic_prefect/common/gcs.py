@@ -83,6 +83,15 @@ def retrying_session(credentials: Any | None) -> Any:
     return session
 
 
+# google-cloud-storage (3.17 on) otherwise fetches each bucket's metadata in the background,
+# once per client and bucket, to label trace spans even with tracing off, and checks that
+# the bucket exists after every 404: a request (and a storage.buckets.get denial, which
+# roles/storage.objectAdmin does not grant) per pod, and one per missing object looked for.
+# The library reads it at each request, so pods get it in their manifest's env: a warm
+# pod puts its environment back between tasks, which would drop a value set here.
+NO_BUCKET_METADATA_ENV = "DISABLE_GCS_PYTHON_CLIENT_OTEL_BUCKET_METADATA"
+
+
 def storage_client(project: str | None = None, credentials: Any | None = None) -> Client:
     """A Cloud Storage client with the given credentials, else the default ones.
 
@@ -91,10 +100,8 @@ def storage_client(project: str | None = None, credentials: Any | None = None) -
     """
     from google.cloud import storage
 
-    # google-cloud-storage otherwise fetches each bucket's metadata in the background, once
-    # per client and bucket, to label trace spans, even with tracing off: a request (and a
-    # storage.buckets.get denial) per pod. A user's own setting is kept.
-    os.environ.setdefault("DISABLE_GCS_PYTHON_CLIENT_OTEL_BUCKET_METADATA", "true")
+    # A user's own setting is kept.
+    os.environ.setdefault(NO_BUCKET_METADATA_ENV, "true")
     if emulator_host():
         from google.auth.credentials import AnonymousCredentials
 

@@ -21,6 +21,7 @@ from kinetic_prefect.common.env import (
     POD_TERMINATION_GRACE_SECONDS,
     TERMINATION_GRACE_ENV,
 )
+from kinetic_prefect.common.gcs import NO_BUCKET_METADATA_ENV
 from kinetic_prefect.errors import ConfigurationError
 from kinetic_prefect.launch.accelerators import Accelerator, machine_type
 from kinetic_prefect.launch.environment import ShippedEnvironment, bootstrap_command
@@ -172,6 +173,7 @@ def pod_args(spec: LaunchSpec) -> list[str]:
 
 def _env_list(spec: LaunchSpec) -> list[dict[str, Any]]:
     plain = {
+        NO_BUCKET_METADATA_ENV: "true",
         **spec.env,
         JOB_ID_ENV: spec.job_id,
         OUTPUT_DIR_ENV: spec.output_dir,

@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
+from urllib.parse import parse_qs, unquote, urlsplit
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
@@ -85,6 +88,38 @@ def _flow_process(runner_kind: str, n: int, env: dict[str, str], cwd: Path) -> d
     return result
 
 
+def request_kind(method: str, path: str) -> str:
+    """`GET media assign-N.json`: a GCS request's method, form and object basename (digits N)."""
+    url = urlsplit(path)
+    query = parse_qs(url.query)
+    name = unquote(url.path.split("/o/", 1)[1]) if "/o/" in url.path else ""
+    name = name or (query.get("name") or query.get("prefix") or [""])[0]
+    if url.path.startswith("/upload/"):
+        form = "upload"
+    elif "/o/" not in url.path:
+        form = "list" if url.path.endswith("/o") else "bucket"
+    else:
+        form = "media" if query.get("alt") == ["media"] else "metadata"
+    base = re.sub(r"[0-9a-f]{16,}", "<key>", name.rstrip("/").rsplit("/", 1)[-1])
+    base = re.sub(r"[0-9]+", "N", base)
+    return f"{method} {form} {base}"
+
+
+def print_breakdown(
+    label: str, requests: list[tuple[str, str, str]], uploaded: list[str], n: int
+) -> None:
+    """GCS requests per task by kind, most first (uploads by the object they wrote)."""
+    kinds = Counter(
+        request_kind(method, path)
+        for _, method, path in requests
+        if not path.startswith("/upload/")
+    )
+    kinds.update(request_kind("POST", f"/upload/?name={name}") for name in uploaded)
+    print(f"\nGCS requests per task by kind ({label})")
+    for kind, count in kinds.most_common():
+        print(f"{count / n:>8.2f}  {kind}")
+
+
 def main(n: int = 100, nodes: int = 8, modes: tuple[str, ...] = ("cold", "warm")) -> None:
     from prefect.settings import PREFECT_API_URL
     from prefect.testing.utilities import prefect_test_harness
@@ -99,6 +134,7 @@ def main(n: int = 100, nodes: int = 8, modes: tuple[str, ...] = ("cold", "warm")
 
     workdir = Path(tempfile.mkdtemp(prefix="kinetic-kube-scale-"))
     rows = []
+    breakdowns: list[tuple[str, list[tuple[str, str, str]], list[str]]] = []
     with (
         prefect_test_harness(server_startup_timeout=120),
         RequestCounter(PREFECT_API_URL.value()) as prefect_api,
@@ -115,11 +151,16 @@ def main(n: int = 100, nodes: int = 8, modes: tuple[str, ...] = ("cold", "warm")
                 name = gcs_cluster(bucket, f"scale-{label}", "gke")
                 kube_before = len(cluster.client_requests())
                 gcs_before, prefect_before = len(iam.requests), prefect_api.total
+                uploads_before = len(iam.uploaded)
                 result = _flow_process(
                     label,
                     n,
                     {**env, "KUBECONFIG": str(cluster.kubeconfig), "KINETIC_CLUSTER": name},
                     workdir,
+                )
+                breakdowns.append((label, iam.requests[gcs_before:], iam.uploaded[uploads_before:]))
+                (workdir / f"gcs-requests-{label}.json").write_text(
+                    json.dumps(iam.requests[gcs_before:], indent=0)
                 )
                 rows.append(
                     (
@@ -150,6 +191,9 @@ def main(n: int = 100, nodes: int = 8, modes: tuple[str, ...] = ("cold", "warm")
         f"{'threads':<6}{n:>6}{baseline['wall']:>8.1f}{'-':>14}{'-':>6}{'-':>10}{'-':>10}"
         f"{'-':>14}{base_cpu:>13.1f}{1:>11.1f}x"
     )
+    for label, requests, uploaded in breakdowns:
+        print_breakdown(label, requests, uploaded, n)
+    print(f"\nEvery GCS request (identity, method, path): {workdir}/gcs-requests-*.json")
 
 
 if __name__ == "__main__":

@@ -339,6 +339,8 @@ class IamProxy:
         self.callers: set[str] = set()
         # (member, method, path) of every request received, in order.
         self.requests: list[tuple[str, str, str]] = []
+        # The object name of every upload received, in order (a multipart upload's is in its body).
+        self.uploaded: list[str] = []
         self._servers: dict[str, http.server.ThreadingHTTPServer] = {}
         self._lock = threading.Lock()
 
@@ -450,6 +452,12 @@ class IamProxy:
                     proxy.requests.append((self.member_unlocked(), self.command, self.path))
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
+                if self.path.startswith("/upload/"):
+                    name = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query).get(
+                        "name"
+                    ) or [_multipart_name(body) or ""]
+                    with proxy._lock:
+                        proxy.uploaded.append(name[0])
                 try:
                     wanted = needs(self.command, self.path, body, proxy._object_exists)
                 except ValueError as exc:
