@@ -26,6 +26,9 @@ class PodExit:
     # Set when the infrastructure took the pod away (preemption, eviction, node loss,
     # a SIGTERM from outside on the local backend): retried on its own budget.
     preempted: bool = False
+    # The pod's final record, when whoever saw the end read it already (a warm pod's
+    # task ends by its record, not by the pod's exit): not read a second time.
+    final_record: bytes | None = None
 
     def describe(self) -> str:
         if self.start_failure:

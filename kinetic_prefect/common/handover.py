@@ -2,13 +2,16 @@
 
 The runner cannot reach a pod over the network on GKE, so work is handed over
 through the jobs store. A warm pod's warm dir (`common.layout.warm_dir`) receives
-`assign-{n}.json` for its n-th next task; the pod answers with `accepted-{n}.json`
-before it touches the task, so a runner that sees the pod exit can tell a task
-the pod never picked up from one it ran.
+`assign-{n}.json` for its n-th next task: the task's payload inline when it is small
+(else its URI) and the env that differs from the pod's own. The pod answers with the
+task's `warm-pod.json` (`common.layout.WARM_POD_JSON`, naming the pod) before it
+touches the task, so a runner that sees the pod exit can tell a task the pod never
+picked up from one it ran, and `kinetic-prefect jobs logs` finds the pod's log.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 from dataclasses import asdict, dataclass, field
 
@@ -21,10 +24,6 @@ def assignment_name(sequence: int) -> str:
     return f"assign-{sequence}.json"
 
 
-def accepted_name(sequence: int) -> str:
-    return f"accepted-{sequence}.json"
-
-
 def poll_seconds(uri: str) -> float:
     """How often to look at the store: a local path is cheap, a bucket costs a request."""
     return 0.5 if "://" in uri else 0.02
@@ -35,9 +34,18 @@ def reuse_margin(uri: str) -> float:
     return max(1.0, 4 * poll_seconds(uri))
 
 
+# A payload up to this size travels inside its assignment: no object of its own.
+INLINE_PAYLOAD_BYTES = 64 * 1024
+
+
 @dataclass(frozen=True)
 class Assignment:
-    """The next task run for a warm pod: the pod's arguments and the task's own env."""
+    """The next task run for a warm pod: the pod's arguments and the task's own env.
+
+    `payload_inline` is the payload itself (base64) when small, and `payload` then only
+    names where a cold pod would have read it; `env` is what differs from the env the
+    pod started with.
+    """
 
     job_id: str
     task_run_id: str
@@ -47,6 +55,11 @@ class Assignment:
     context: str
     context_sha256: str
     env: dict[str, str] = field(default_factory=dict)
+    payload_inline: str = ""
+
+    def payload_bytes(self) -> bytes | None:
+        """The inline payload, or None when the pod reads it from `payload`."""
+        return base64.b64decode(self.payload_inline) if self.payload_inline else None
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -54,6 +67,11 @@ class Assignment:
     @classmethod
     def from_json(cls, data: bytes) -> Assignment:
         return cls(**json.loads(data))
+
+
+def acceptance(pod_id: str, sequence: int) -> bytes:
+    """What a warm pod writes to a task's `warm-pod.json` as it takes the task."""
+    return json.dumps({"pod": pod_id, "sequence": sequence}).encode()
 
 
 def task_section(log: str, job_id: str) -> str:

@@ -73,7 +73,7 @@ class PodRun:
     context_uri: str
     context_sha256: str
     timings: dict[str, float] = field(default_factory=dict)
-    payload_bytes: bytes = b""
+    payload_bytes: bytes | None = None  # set beforehand when it came inline
     context_bytes: bytes = b""
     workdir: Path | None = None
     contents: dict[str, Any] = field(default_factory=dict)
@@ -147,14 +147,15 @@ def download(run: PodRun) -> None:
         "check that the pod can read the jobs bucket: its service account needs Workload "
         'Identity and roles/storage.objectAdmin there (docs/kubernetes.md "Permissions")',
     ):
-        run.payload_bytes = storage.read_uri(run.payload_uri)
+        if run.payload_bytes is None:
+            run.payload_bytes = storage.read_uri(run.payload_uri)
         if not run.reuses_code:
             run.context_bytes = storage.read_uri(run.context_uri)
 
 
 def verify(run: PodRun) -> None:
     with run.phase("verify"):
-        checks = [("payload.pkl", run.payload_bytes, run.payload_sha256)]
+        checks = [("payload.pkl", run.payload_bytes or b"", run.payload_sha256)]
         if not run.reuses_code:
             checks.append(("context.zip", run.context_bytes, run.context_sha256))
         for label, data, expected in checks:
@@ -213,8 +214,8 @@ def unpickle(run: PodRun) -> None:
             )
         import cloudpickle
 
-        run.contents = cloudpickle.loads(run.payload_bytes)
-        run.payload_bytes = b""
+        run.contents = cloudpickle.loads(run.payload_bytes or b"")
+        run.payload_bytes = None
 
 
 def resolve_data(run: PodRun) -> None:

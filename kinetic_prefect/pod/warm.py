@@ -2,7 +2,7 @@
 
 The hand-over goes through the jobs store (`kinetic_prefect.common.handover`):
 the pod's warm dir (`KINETIC_WARM_DIR`) receives the next assignment, and the pod
-accepts it before it touches the task.
+accepts it (the task's `warm-pod.json`) before it touches the task.
 
 Between tasks the pod goes back to its base environment: `os.environ` as the pod
 started, its working directory and a fresh scratch directory per task. What stays
@@ -27,7 +27,8 @@ from kinetic_prefect.common.env import (
     WARM_DIR_ENV,
     WARM_IDLE_ENV,
 )
-from kinetic_prefect.common.handover import Assignment, accepted_name, assignment_name, poll_seconds
+from kinetic_prefect.common.handover import Assignment, acceptance, assignment_name, poll_seconds
+from kinetic_prefect.common.layout import WARM_POD_JSON
 from kinetic_prefect.pod.runner import EXIT_COMPLETED, EXIT_PHASE_FAILED, PodRun, log, run_task
 
 
@@ -42,6 +43,8 @@ class WarmLoop:
         self.base_cwd = os.getcwd()
         self.base_scratch = os.environ.get(SCRATCH_DIR_ENV) or tempfile.gettempdir()
         self.task_scratch: Path | None = None
+        # The pod's name: the job id it started with (its warm dir is named after it too).
+        self.pod_id = os.environ.get(JOB_ID_ENV, "")
 
     @classmethod
     def from_environ(cls, hosts: int) -> WarmLoop | None:
@@ -62,6 +65,9 @@ class WarmLoop:
         name = assignment_name(self.sequence + 1)
         deadline = time.monotonic() + self.idle_seconds
         interval = poll_seconds(self.warm_dir)
+        # No look at once: the runner hands the next task only after it has read the final
+        # record this pod has just written, so a read now would find nothing.
+        time.sleep(interval)
         while (data := self._read(name)) is None:
             if time.monotonic() >= deadline:
                 return None
@@ -69,7 +75,10 @@ class WarmLoop:
         assignment = Assignment.from_json(data)
         self.sequence += 1
         # Written before anything of the task runs: a pod that exits without it never took it.
-        storage.write_uri(f"{self.warm_dir}/{accepted_name(self.sequence)}", b"{}")
+        storage.write_uri(
+            f"{assignment.job_dir.rstrip('/')}/{WARM_POD_JSON}",
+            acceptance(self.pod_id, self.sequence),
+        )
         return assignment
 
     def begin_task(self, env: dict[str, str] | None = None) -> None:
@@ -126,6 +135,7 @@ class WarmLoop:
             job_dir=assignment.job_dir.rstrip("/"),
             payload_uri=assignment.payload,
             payload_sha256=assignment.payload_sha256,
+            payload_bytes=assignment.payload_bytes(),
             context_uri=assignment.context,
             context_sha256=assignment.context_sha256,
             workdir=previous.workdir,

@@ -69,7 +69,8 @@ def read_attempt_end(
     prefix = layout.job_dir(job_id)
     record_key = f"{prefix}/{FINAL_STATE_JSON}"
     try:
-        record = FinalRecord.from_json(store.get_bytes(record_key))
+        data = outcome.final_record
+        record = FinalRecord.from_json(data if data is not None else store.get_bytes(record_key))
     except FileNotFoundError:
         return AttemptEnd(state_without_record(job_id, outcome), reported_by_pod=False)
     if not record.signed_by(signing_key):

@@ -40,6 +40,7 @@ from kinetic_prefect.backends.base import Backend, PodExit, pending_message
 from kinetic_prefect.backends.environments import ready_environment
 from kinetic_prefect.common import layout, versions
 from kinetic_prefect.common.env import ATTEMPT_ENV, CLIENT_VERSIONS_ENV, SIGNING_KEY_ENV
+from kinetic_prefect.common.handover import INLINE_PAYLOAD_BYTES
 from kinetic_prefect.common.storage import JobsStore, open_store
 from kinetic_prefect.data import data
 from kinetic_prefect.errors import PodPhaseError, PodStartError
@@ -62,6 +63,7 @@ from kinetic_prefect.runner.attempt_end import exception_or_none, read_attempt_e
 from kinetic_prefect.runner.reattach import Reattacher, identity_labels
 from kinetic_prefect.runner.resources import RunnerResources
 from kinetic_prefect.runner.task_launch import TaskLaunch
+from kinetic_prefect.runner.warm_pods import runs_warm
 
 logger = get_logger("kinetic_prefect.runner.launcher")
 
@@ -176,14 +178,21 @@ class Launcher:
                 open_store(settings.resolved_environment_store(), settings.gcp_credentials),
                 backend,
             )
-        payload_uri, payload_sha256, code = self._upload_attempt(launch, store, root)
+        accelerator = launch.attempt_accelerator()
+        # A small payload for a warm pod goes in its assignment, or up if it starts a pod.
+        payload, payload_sha256, code = self._package_attempt(launch, root)
+        payload_key = layout.job_file(launch.job_id, layout.PAYLOAD_FILE)
+        if runs_warm(launch, accelerator) and len(payload) <= INLINE_PAYLOAD_BYTES:
+            payload_uri, unsent = store.uri(payload_key), payload
+        else:
+            payload_uri, unsent = store.put_bytes(payload_key, payload), None
         secrets = self._pod_secrets(launch)
         spec = LaunchSpec(
             job_id=launch.job_id,
             task_name=launch.task.name,
             task_run_id=str(launch.task_run.id),
             flow_run_id=str(launch.task_run.flow_run_id) if launch.task_run.flow_run_id else None,
-            accelerator=launch.attempt_accelerator(),
+            accelerator=accelerator,
             image=settings.resolved_image(),
             namespace=settings.namespace,
             payload_uri=payload_uri,
@@ -205,14 +214,12 @@ class Launcher:
             pod_overrides=settings.pod_overrides,
             queue_name=settings.queue_name,
         )
-        if self.resources.warm_pods.take(launch, spec, backend, store, secrets, self):
+        if self.resources.warm_pods.take(launch, spec, backend, store, secrets, self, unsent):
             return
         self._launch_cold(launch, spec, backend, secrets)
 
-    def _upload_attempt(
-        self, launch: TaskLaunch, store: JobsStore, root: Path
-    ) -> tuple[str, str, Artifact]:
-        """The attempt's payload, uploaded (its URI and sha256), and its code archive."""
+    def _package_attempt(self, launch: TaskLaunch, root: Path) -> tuple[bytes, str, Artifact]:
+        """The attempt's payload (its bytes and sha256), and its code archive."""
         launch.task_run.run_count = launch.runs_used
         payload = build_payload(
             {
@@ -234,8 +241,7 @@ class Launcher:
         if warning:
             logger.warning(warning)
         code = self.resources.context_zip(root, launch.local_data_paths)
-        key = layout.job_file(launch.job_id, layout.PAYLOAD_FILE)
-        return store.put_bytes(key, payload.data), payload.sha256, code
+        return payload.data, payload.sha256, code
 
     def _pod_secrets(self, launch: TaskLaunch) -> PodSecrets:
         """Prefect's secret settings, the user's secret env and the record key: one Secret."""

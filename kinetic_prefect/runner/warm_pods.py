@@ -35,6 +35,7 @@ wait for the idle pod's idle time.
 
 from __future__ import annotations
 
+import base64
 import collections
 import concurrent.futures
 import dataclasses
@@ -66,6 +67,7 @@ from kinetic_prefect.launch.slices import build_workload
 from kinetic_prefect.runner import prefect_engine
 
 if TYPE_CHECKING:
+    from kinetic_prefect.launch.accelerators import Accelerator
     from kinetic_prefect.runner.task_launch import AttemptHooks, TaskLaunch
 
 logger = get_logger("kinetic_prefect.runner.warm_pods")
@@ -85,6 +87,11 @@ OnEnd = Callable[["TaskLaunch", PodExit], None]
 OnPending = Callable[["TaskLaunch", str], None]
 
 
+def runs_warm(launch: TaskLaunch, accelerator: Accelerator) -> bool:
+    """Whether the attempt goes to a warm pod (multi-host slices never do: they launch cold)."""
+    return bool(launch.settings.warm_pods) and accelerator.hosts == 1
+
+
 def warm_placement(
     launch: TaskLaunch,
     spec: LaunchSpec,
@@ -92,12 +99,14 @@ def warm_placement(
     store: JobsStore,
     secrets: PodSecrets,
     launcher: AttemptHooks,
+    payload: bytes | None = None,
 ) -> Placement:
-    """The launcher's attempt as a placement for a warm pod."""
+    """The launcher's attempt as a placement for a warm pod (`payload`: not uploaded yet)."""
     settings = launch.settings
     return Placement(
         launch=launch,
         spec=spec,
+        payload=payload,
         key=spec_key(spec, store.uri(""), settings.backend),
         backend=backend,
         store=store,
@@ -131,6 +140,9 @@ class Placement:
 
     launch: TaskLaunch
     spec: LaunchSpec
+    # The payload when it was small enough not to be uploaded: it travels in the
+    # assignment, or is uploaded to `spec.payload_uri` if the task starts a pod.
+    payload: bytes | None
     key: str
     backend: Backend
     store: JobsStore
@@ -203,14 +215,21 @@ def pod_env(pod: WarmPod, placement: Placement) -> dict[str, str]:
     }
 
 
-def task_assignment(pod: WarmPod, placement: Placement) -> warm.Assignment:
-    """What `pod` needs to run `placement`'s task: its pod arguments and its whole plain env."""
-    spec = dataclasses.replace(placement.spec, env=pod_env(pod, placement))
-    env = {
-        item["name"]: item["value"]
-        for item in container_of(build_job_manifest(spec))["env"]
-        if "value" in item
+def plain_env(manifest: dict[str, Any]) -> dict[str, str]:
+    return {
+        item["name"]: item["value"] for item in container_of(manifest)["env"] if "value" in item
     }
+
+
+def task_assignment(pod: WarmPod, placement: Placement) -> warm.Assignment:
+    """What `pod` needs to run `placement`'s task: its pod arguments, its payload when small,
+    and the plain env it would have had as a pod of its own where that differs from the
+    env `pod` started with. What the pod got from elsewhere (the platform may add or set
+    env) stays as the pod has it."""
+    spec = dataclasses.replace(placement.spec, env=pod_env(pod, placement))
+    own = plain_env(pod.manifest)
+    env = {k: v for k, v in plain_env(build_job_manifest(spec)).items() if own.get(k) != v}
+    payload = placement.payload
     return warm.Assignment(
         job_id=spec.job_id,
         task_run_id=spec.task_run_id or "",
@@ -220,13 +239,14 @@ def task_assignment(pod: WarmPod, placement: Placement) -> warm.Assignment:
         context=spec.context_uri,
         context_sha256=spec.context_sha256,
         env=env,
+        payload_inline=base64.b64encode(payload).decode() if payload is not None else "",
     )
 
 
-def took_task(pod: WarmPod, sequence: int) -> bool:
-    """Whether the pod accepted its `sequence`-th task; if the store cannot tell, it did."""
+def took_task(pod: WarmPod, job_id: str) -> bool:
+    """Whether the pod accepted the task of job `job_id`; if the store cannot tell, it did."""
     try:
-        return pod.store.exists(f"{pod.warm_dir}/{warm.accepted_name(sequence)}")
+        return pod.store.exists(layout.job_file(job_id, WARM_POD_JSON))
     except Exception:
         logger.warning(
             "Could not tell whether warm pod %s took its task; its end counts as the task's",
@@ -288,13 +308,12 @@ class WarmPods:
         store: JobsStore,
         secrets: PodSecrets,
         launcher: AttemptHooks,
+        payload: bytes | None = None,
     ) -> bool:
-        """Place the attempt on a warm pod if it is one for a warm pod; else make room for it.
-
-        Multi-host slices are never warm: they launch cold.
-        """
-        if launch.settings.warm_pods and spec.accelerator.hosts == 1:
-            self.place(warm_placement(launch, spec, backend, store, secrets, launcher))
+        """Place the attempt on a warm pod if it is one for a warm pod (`runs_warm`); else make
+        room for it. `payload`: the attempt's payload when it was not uploaded."""
+        if runs_warm(launch, spec.accelerator):
+            self.place(warm_placement(launch, spec, backend, store, secrets, launcher, payload))
             return True
         self.make_room(backend)
         return False
@@ -495,6 +514,10 @@ class WarmPods:
                 self._schedule()  # an idle pod of its spec may give it its node
 
         try:
+            if placement.payload is not None:  # the Job's arguments name it
+                placement.store.put_bytes(
+                    layout.job_file(launch.job_id, layout.PAYLOAD_FILE), placement.payload
+                )
             placement.backend.launch(
                 workload.job,
                 on_exit=lambda outcome: self._pod_exited(pod, outcome),
@@ -520,10 +543,6 @@ class WarmPods:
             self._free(pod)
             return
         try:
-            pod.store.put_bytes(
-                layout.job_file(launch.job_id, WARM_POD_JSON),
-                json.dumps({"pod": pod.pod_id, "sequence": pod.current}).encode(),
-            )
             pod.store.put_bytes(
                 f"{pod.warm_dir}/{warm.assignment_name(pod.current)}", assignment.to_json()
             )
@@ -563,7 +582,7 @@ class WarmPods:
         self._forget(pod)
         if placement is not None:
             launch = placement.launch
-            accepted = sequence == 0 or took_task(pod, sequence)
+            accepted = sequence == 0 or took_task(pod, placement.launch.job_id)
             if not accepted and not launch.cancelled:
                 logger.info(
                     "Warm pod %s ended before taking %s; placing it again",
@@ -599,7 +618,7 @@ class WarmPods:
                 pod.idle_since = time.monotonic()
             else:
                 pod.retiring = True  # the pod ends itself after such a task
-        launch.in_context(placement.on_end, launch, PodExit(launch.job_id, 0))
+        launch.in_context(placement.on_end, launch, PodExit(launch.job_id, 0, final_record=data))
         self._schedule()
 
     # -- the poller: task ends and deadlines of busy pods ----------------------------------

@@ -107,7 +107,6 @@ def test_a_sweep_of_four_tasks_uploads_its_code_archive_once(gcs, recording_prox
     assert archives[0].startswith("code-cache/")
     assert [name for name in gcs.names("code-cache/") if name.endswith(".zip")] == archives
     assert [name for name in gcs.names("kinetic/") if name.endswith("context.zip")] == []
-    assert sum(name.endswith("/payload.pkl") for name in gcs.names("kinetic/")) == 4
 
 
 @pytest.mark.usefixtures("prefect_api")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -20,6 +21,7 @@ from typer.testing import CliRunner
 from kinetic_prefect import KineticTaskRunner, resources
 from kinetic_prefect.backends.local.pods import LocalPod, read_pod
 from kinetic_prefect.cli import app
+from kinetic_prefect.common import layout
 from kinetic_prefect.common.handover import BEGIN_MARK
 from kinetic_prefect.outputs.checkpoint import output_dir
 from tests.support.waiting import wait_for_task_run_state, wait_until
@@ -96,6 +98,38 @@ def test_ten_tasks_share_two_warm_pods_each_with_its_own_output_dir_and_a_clean_
     assert len({r["output_dir"] for r in results}) == 10
     assert [r["env_output_dir"] for r in results] == [r["output_dir"] for r in results]
     assert [r["seen"] for r in results] == [None] * 10
+
+
+@task
+def length_in(blob: bytes) -> tuple[int, int]:
+    return len(blob), os.getpid()
+
+
+def test_a_small_payload_travels_in_its_assignment_and_a_large_one_through_the_store(workdir):
+    from kinetic_prefect.common.handover import INLINE_PAYLOAD_BYTES
+
+    large = INLINE_PAYLOAD_BYTES + 1
+
+    @flow(task_runner=KineticTaskRunner(warm_pods=True, max_parallel=1))
+    def run() -> list[tuple[str, tuple[int, int]]]:
+        futures = [length_in.submit(b"x" * size) for size in (1, 2, large)]
+        return [(future.job_id, future.result()) for future in futures]
+
+    ran = run()
+
+    assert [length for _, (length, _) in ran] == [1, 2, large]
+    assert len({pid for _, (_, pid) in ran}) == 1  # one warm pod ran all three
+    jobs = workdir / ".kinetic" / "kinetic"
+    # The job that started the pod (the pod is named after it) has no acceptance; the pod
+    # took each later task, naming itself, and only a large one's payload has an object.
+    started = [job_id for job_id, _ in ran if not (jobs / job_id / layout.WARM_POD_JSON).exists()]
+    assert len(started) == 1
+    for job_id, (length, _) in ran:
+        if job_id != started[0]:
+            taken = json.loads((jobs / job_id / layout.WARM_POD_JSON).read_text())
+            assert taken["pod"] == started[0]
+        uploaded = (jobs / job_id / layout.PAYLOAD_FILE).exists()
+        assert uploaded == (job_id == started[0] or length == large), (job_id, length)
 
 
 def test_a_task_that_ends_its_warm_pod_is_crashed_and_the_next_task_gets_a_new_pod(workdir):
@@ -219,7 +253,7 @@ def test_a_handover_write_that_fails_after_it_landed_retries_the_task_instead_of
     def put_then_fail(self: LocalStore, key: str, data: bytes) -> str:
         stored = put_bytes(self, key, data)
         if key.endswith("/warm/assign-1.json"):
-            accepted = key.replace("assign-1", "accepted-1")
+            accepted = layout.job_file(json.loads(data)["job_id"], layout.WARM_POD_JSON)
             wait_until(lambda: self.exists(accepted), 60, "the pod to take the task")
             raise OSError("the write timed out")
         return stored
@@ -247,7 +281,7 @@ def test_a_pod_that_dies_while_the_store_cannot_say_whether_it_took_its_task_cra
     exists = LocalStore.exists
 
     def unreadable_acceptance(self: LocalStore, key: str) -> bool:
-        if "/warm/accepted-" in key:
+        if key.endswith(f"/{layout.WARM_POD_JSON}"):
             raise OSError("the store did not answer")
         return exists(self, key)
 
