@@ -131,3 +131,15 @@ def test_a_cluster_blocks_cpu_memory_and_pod_overrides_are_settings():
 
     assert (settings.cpu, settings.memory) == ("4", "16Gi")
     assert settings.pod_overrides == {"priorityClassName": "batch"}
+
+
+def test_the_cluster_blocks_schema_is_prefects_built_once_and_handed_out_as_a_copy():
+    from prefect.blocks.core import Block
+
+    from kinetic_prefect.blocks import KineticCluster
+
+    built = Block.model_json_schema.__func__(KineticCluster)  # type: ignore[attr-defined]
+    first = KineticCluster.model_json_schema()
+    assert first == built
+    first["properties"].clear()
+    assert KineticCluster.model_json_schema() == built
