@@ -57,7 +57,11 @@ def prefect_api(prefect_database: Path) -> Iterator[str]:
     import shutil
     import tempfile
 
-    from prefect.settings import get_current_settings
+    from prefect.settings import (
+        PREFECT_CLIENT_MAX_RETRIES,
+        get_current_settings,
+        temporary_settings,
+    )
     from prefect.testing import utilities
 
     def seeded_directory() -> str:
@@ -67,6 +71,11 @@ def prefect_api(prefect_database: Path) -> Iterator[str]:
         shutil.copyfile(prefect_database, Path(directory, "prefect-test.db"))
         return directory
 
+    # The server answers 503 while SQLite is busy, and Prefect's clients retry that five
+    # times: twenty flows starting at once beside the rest of the suite on 2 cores used
+    # them all. The harness makes the settings it starts in the process's own.
+    retries = temporary_settings({PREFECT_CLIENT_MAX_RETRIES: 10})
+    retries.__enter__()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(utilities, "mkdtemp", seeded_directory)
         harness = utilities.prefect_test_harness(server_startup_timeout=120)
@@ -75,6 +84,7 @@ def prefect_api(prefect_database: Path) -> Iterator[str]:
         yield str(get_current_settings().api.url)
     finally:
         harness.__exit__(None, None, None)
+        retries.__exit__(None, None, None)
 
 
 @pytest.fixture
