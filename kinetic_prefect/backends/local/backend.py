@@ -46,6 +46,7 @@ from kinetic_prefect.backends.local.pods import (
     read_pod,
     record_launch,
     record_update,
+    watched_here,
 )
 from kinetic_prefect.common.env import ENV_CACHE_ENV, MOUNT_ROOT_ENV, SCRATCH_DIR_ENV
 from kinetic_prefect.launch.environment import cache_dir
@@ -121,6 +122,7 @@ class AdoptedPods:
             return False
         with self._lock:
             self._pods[job_id] = AdoptedPod(job_id, record.pid, pidfd, on_exit)
+        record_update(self.workspace, job_id, **watched_here())
         return True
 
     def cancel(self, job_id: str) -> bool:

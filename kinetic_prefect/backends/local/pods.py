@@ -3,7 +3,8 @@
 A local pod has no API object, so the backend keeps one small JSON record per
 pod next to its log, `{pods}/{job_id}.json`: the Job's labels, when it was
 launched, the process id and start time once it runs, and its exit code and
-end time once it has ended. `kinetic-prefect jobs logs -f` and `jobs attach`
+end time once it has ended. It also names its watcher: the process that reaps
+the pod and writes its last log line and its end. `kinetic-prefect jobs logs -f` and `jobs attach`
 read them to find a task run's pod and to know when a log is complete; a
 restarted flow process reads them to find its flow run's pods that still run.
 """
@@ -44,8 +45,13 @@ def _read(path: Path) -> dict[str, Any] | None:
     return record if isinstance(record, dict) else None
 
 
+def watched_here() -> dict[str, Any]:
+    """Record fields naming this process as the one that records a pod's end."""
+    return {"watcher": os.getpid(), "watcher_start": process_start_ticks(os.getpid())}
+
+
 def record_launch(pods: Path, manifest: Mapping[str, Any]) -> None:
-    """Record a pod the backend accepted (queued, not yet running)."""
+    """Record a pod the backend accepted (queued, not yet running), watched by this process."""
     meta = manifest["metadata"]
     _write(
         pods / f"{meta['name']}{RECORD_SUFFIX}",
@@ -53,6 +59,7 @@ def record_launch(pods: Path, manifest: Mapping[str, Any]) -> None:
             "job_id": meta["name"],
             "labels": dict(meta.get("labels") or {}),
             "launched_at": time.time(),
+            **watched_here(),
         },
     )
 
@@ -88,38 +95,55 @@ class LocalPod:
     log_path: Path
     # When the process started (`process_start_ticks`), to tell it from a later one with its pid.
     pid_start: int | None = None
+    # The process that reaps the pod and records its end, and when it started.
+    watcher: int | None = None
+    watcher_start: int | None = None
 
     @property
     def started(self) -> bool:
         return self.pid is not None or self.ended
 
     def gone(self) -> bool:
-        """Ended, or its process is no longer there (its runner died before recording the end)."""
+        """Ended, or its process and its watcher are both no longer there.
+
+        While the watcher lives, the pod is gone only once the watcher has
+        recorded it so: it writes the log's last line before that.
+        """
         if self.ended:
             return True
-        return self.pid is not None and not self.alive()
+        if self.pid is None or self.alive():
+            return False
+        return self.watcher is None or not _runs(self.watcher, self.watcher_start)
 
     def alive(self) -> bool:
         """Its process runs (not ended, not a zombie left by a runner that died, pid not reused)."""
         if self.ended or self.pid is None:
             return False
-        try:
-            pidfd = os.pidfd_open(self.pid)
-        except ProcessLookupError:
+        if self.pid_start is not None:
+            return _runs(self.pid, self.pid_start)
+        # A record written before start times were: the pod's env names its job.
+        if not _runs(self.pid, None):
             return False
-        try:
-            # A pidfd is readable once the process has exited, even while it is a zombie.
-            if select.select([pidfd], [], [], 0)[0]:
-                return False
-            # A reused pid belongs to another process: this pod is gone.
-            if self.pid_start is not None:
-                return process_start_ticks(self.pid) == self.pid_start
-            with contextlib.suppress(OSError):  # a record written before start times were
-                environ = Path("/proc", str(self.pid), "environ").read_bytes().split(b"\0")
-                return f"KINETIC_JOB_ID={self.job_id}".encode() in environ
-            return True
-        finally:
-            os.close(pidfd)
+        with contextlib.suppress(OSError):
+            environ = Path("/proc", str(self.pid), "environ").read_bytes().split(b"\0")
+            return f"KINETIC_JOB_ID={self.job_id}".encode() in environ
+        return True
+
+
+def _runs(pid: int, start: int | None) -> bool:
+    """Process `pid` runs (has not exited, even as a zombie) and started at `start` if given."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return False
+    try:
+        # A pidfd is readable once the process has exited, even while it is a zombie.
+        if select.select([pidfd], [], [], 0)[0]:
+            return False
+        # A reused pid belongs to another process.
+        return start is None or process_start_ticks(pid) == start
+    finally:
+        os.close(pidfd)
 
 
 def read_pod(pods: Path, job_id: str) -> LocalPod | None:
@@ -136,6 +160,8 @@ def read_pod(pods: Path, job_id: str) -> LocalPod | None:
         exit_code=record.get("exit_code"),
         log_path=pods / f"{job_id}.log",
         pid_start=record.get("pid_start"),
+        watcher=record.get("watcher"),
+        watcher_start=record.get("watcher_start"),
     )
 
 
