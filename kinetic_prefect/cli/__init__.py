@@ -253,7 +253,7 @@ def jobs_logs(
 
     Example: kinetic-prefect jobs logs kp-train-1a2b3c4d --follow
     """
-    from kinetic_prefect.cli.job_logs import JobSource, task_log, wait_until_started, warm_pod_of
+    from kinetic_prefect.cli.job_logs import JobSource, task_log, wait_until_started, warm_pod_for
     from kinetic_prefect.common.storage import JobsStore, open_store
     from kinetic_prefect.errors import ConfigurationError
 
@@ -266,8 +266,9 @@ def jobs_logs(
 
     async def show(source: JobSource) -> None:
         # A task that ran in a warm pod after its first task has no pod of its own to follow.
-        if not follow or warm_pod_of(store, job_id) is not None:
-            typer.echo(await task_log(source, store, job_id, tail, host), nl=False)
+        pod = await warm_pod_for(source, store, job_id)
+        if not follow or pod is not None:
+            typer.echo(await task_log(source, pod, job_id, tail, host), nl=False)
             return
         await wait_until_started(source, job_id)
         async for line in source.follow(job_id, host):

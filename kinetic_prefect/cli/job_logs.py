@@ -171,26 +171,47 @@ class ClusterJobs:
 
 
 def warm_pod_of(store: JobsStore | None, job_id: str) -> str | None:
-    """The warm pod that ran job `job_id` after its first task, if one did."""
+    """The warm pod that its `warm-pod.json` says ran job `job_id`, if there is one."""
     import json
+
+    from kinetic_prefect.common.layout import WARM_POD_JSON
 
     if store is None:
         return None
-    from kinetic_prefect.common.layout import WARM_POD_JSON
-
     key = layout.job_file(job_id, WARM_POD_JSON)
     if not store.exists(key):
         return None
     return str(json.loads(store.get_bytes(key))["pod"])
 
 
+def assigned_pod_of(store: JobsStore, job_id: str) -> str | None:
+    """The warm pod whose warm dir holds job `job_id`'s assignment: a pod that took it as
+    it reported its task before writes no `warm-pod.json` (a scan of the jobs store)."""
+    from kinetic_prefect.common.handover import Assignment
+
+    for name, _ in store.list(f"{layout.JOBS_PREFIX}/"):
+        pod, _, file = name.removeprefix(f"{layout.JOBS_PREFIX}/").partition("/warm/")
+        if not file.startswith("assign-"):
+            continue
+        if Assignment.from_json(store.get_bytes(name)).job_id == job_id:
+            return pod
+    return None
+
+
+async def warm_pod_for(source: JobSource, store: JobsStore | None, job_id: str) -> str | None:
+    """The warm pod that ran (or runs) job `job_id` after its first task, if one did."""
+    pod = warm_pod_of(store, job_id)
+    if pod is None and store is not None and await source.started(job_id) is None:
+        pod = assigned_pod_of(store, job_id)
+    return pod
+
+
 async def task_log(
-    source: JobSource, store: JobsStore | None, job_id: str, tail: int | None, host: int = 0
+    source: JobSource, pod: str | None, job_id: str, tail: int | None, host: int = 0
 ) -> str:
-    """The log of job `job_id`: its pod's, or its part of the warm pod that ran it."""
+    """The log of job `job_id`: its pod's, or its part of warm pod `pod` that ran it."""
     from kinetic_prefect.common.handover import task_section
 
-    pod = warm_pod_of(store, job_id)
     if pod is None:
         return await source.log(job_id, tail, host)
     log = await source.log(pod, None)

@@ -3,10 +3,15 @@
 The runner cannot reach a pod over the network on GKE, so work is handed over
 through the jobs store. A warm pod's warm dir (`common.layout.warm_dir`) receives
 `assign-{n}.json` for its n-th next task: the task's payload inline when it is small
-(else its URI) and the env that differs from the pod's own. The pod answers with the
-task's `warm-pod.json` (`common.layout.WARM_POD_JSON`, naming the pod) before it
-touches the task, so a runner that sees the pod exit can tell a task the pod never
-picked up from one it ran, and `kinetic-prefect jobs logs` finds the pod's log.
+(else its URI) and the env that differs from the pod's own. The runner writes it
+while the pod still runs its task when every pod of the spec is busy.
+
+The pod accepts a task before it touches it, so that a runner that sees the pod exit
+can tell a task the pod never picked up from one it ran. A pod that finds the next
+assignment as it reports its task names it in that task's final record
+(`FinalRecord.next_job`); one that finds it later, while idle, writes the task's
+`warm-pod.json` (`common.layout.WARM_POD_JSON`, naming the pod). `kinetic-prefect jobs
+logs` finds the pod from either, or from the assignment itself.
 """
 
 from __future__ import annotations

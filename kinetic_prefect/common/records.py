@@ -54,6 +54,9 @@ class FinalRecord(signing.SignedRecord):
     result_sha256: str | None = None
     # That record's bytes (base64) when at most INLINE_RESULT_BYTES.
     result_record: str | None = None
+    # A warm pod: the job of the next assignment, when it took it before this report
+    # (its acceptance of that task; see common.handover).
+    next_job: str | None = None
     signature: str | None = None
 
     def to_json(self) -> bytes:

@@ -19,7 +19,7 @@ import tempfile
 import time
 import traceback
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,6 +84,8 @@ class PodRun:
     send_telemetry_before_report: bool = False
     # A slice host: what imported JAX before the slice was connected, if anything did.
     jax_imports: slice_host.JaxImportWatch | None = None
+    # A warm pod: takes its next assignment if it is there, returning its job id.
+    take_next: Callable[[], str | None] | None = None
 
     @contextmanager
     def phase(self, name: str, hint: str = "") -> Iterator[None]:
@@ -409,6 +411,8 @@ def report(run: PodRun, state: Any) -> int:
                 written = (stored.sha256, stored.data)
                 run.write_result_seal(reference, written[0])
             record.carry_result(str(reference.storage_key), *written)
+        if run.take_next is not None and not state.is_crashed():
+            record.next_job = run.take_next()
         run.write_record(record)
     return EXIT_COMPLETED if state.is_completed() else EXIT_TASK_NOT_COMPLETED
 

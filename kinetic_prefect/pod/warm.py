@@ -1,8 +1,10 @@
 """A warm pod: after its task, wait for the next task run of the same pod spec.
 
 The hand-over goes through the jobs store (`kinetic_prefect.common.handover`):
-the pod's warm dir (`KINETIC_WARM_DIR`) receives the next assignment, and the pod
-accepts it (the task's `warm-pod.json`) before it touches the task.
+the pod's warm dir (`KINETIC_WARM_DIR`) receives the next assignment, often while
+the pod still runs its task. The pod looks for it once before it reports the task's
+end and names it in that final record if it is there; otherwise it waits for it and
+accepts it with the task's `warm-pod.json`. Either way before it touches the task.
 
 Between tasks the pod goes back to its base environment: `os.environ` as the pod
 started, its working directory and a fresh scratch directory per task. What stays
@@ -45,6 +47,8 @@ class WarmLoop:
         self.task_scratch: Path | None = None
         # The pod's name: the job id it started with (its warm dir is named after it too).
         self.pod_id = os.environ.get(JOB_ID_ENV, "")
+        # The next assignment, taken before the last task's report named it.
+        self.taken: Assignment | None = None
 
     @classmethod
     def from_environ(cls, hosts: int) -> WarmLoop | None:
@@ -60,13 +64,30 @@ class WarmLoop:
         except FileNotFoundError:
             return None
 
+    def take_next(self) -> str | None:
+        """Before the task's report: take the next assignment if the runner has written it
+        already (the report then names its job: the pod's acceptance); None if not."""
+        try:
+            data = self._read(assignment_name(self.sequence + 1))
+        except Exception as exc:  # the wait after the report looks again
+            log(f"could not look for the next task: {type(exc).__name__}: {exc}")
+            return None
+        if data is None:
+            return None
+        self.taken = Assignment.from_json(data)
+        self.sequence += 1
+        return self.taken.job_id
+
     def wait_for_assignment(self) -> Assignment | None:
         """The next assignment, or None once the pod has been idle for its idle time."""
+        if self.taken is not None:
+            taken, self.taken = self.taken, None
+            return taken
         name = assignment_name(self.sequence + 1)
         deadline = time.monotonic() + self.idle_seconds
         interval = poll_seconds(self.warm_dir)
-        # No look at once: the runner hands the next task only after it has read the final
-        # record this pod has just written, so a read now would find nothing.
+        # No look at once: the pod looked just before its report, and the runner hands the
+        # next task only after it has read that report.
         time.sleep(interval)
         while (data := self._read(name)) is None:
             if time.monotonic() >= deadline:
@@ -104,6 +125,7 @@ class WarmLoop:
         """Task after task in this pod until it idles out; a crash or phase failure ends it."""
         run.code_root = self.base_scratch
         run.send_telemetry_before_report = True
+        run.take_next = self.take_next
         assignment: Assignment | None = None
         while True:
             code, state = self._run_one(run, assignment)
@@ -142,4 +164,5 @@ class WarmLoop:
             extracted_sha256=previous.extracted_sha256,
             code_root=previous.code_root,
             send_telemetry_before_report=True,
+            take_next=previous.take_next,
         )

@@ -11,6 +11,12 @@ warm dir in the jobs store (`common.handover` has the records, `pod.warm` the po
 task's own identity (job id, task run, payload, output dir, attempt number) can
 run one after the other in one pod.
 
+A task goes to an idle pod of its spec, else to a new pod where there is room, else
+it is queued on a busy pod of its spec (one task per pod): its assignment is written
+at once and the pod takes it as it reports its running task, without a look at the
+store in between. A queued task waits for that pod's task, even if another pod frees
+up first.
+
 The runner learns that a task ended from its final record in its own
 `kinetic/{job_id}/` dir, or from the pod's exit. On a bucket it reads the record once
 the Prefect API shows the task run's state final: one request asks about every busy
@@ -19,7 +25,7 @@ pod's task run, at a pace that slows as tasks go on. A record is also read every
 failed before the engine ran), and for every busy pod while the API has not answered
 within `API_WAIT_SECONDS`. On a local jobs dir each look reads the records.
 A pod that exits with a task it never accepted (it idled out just as the task
-was handed to it) gives the task back: it is placed again, on a fresh pod if need
+was handed to it, or died with a task queued) gives the task back: it is placed again, on a fresh pod if need
 be, without touching the retry budget. Any other exit is the task's, exactly as
 for a cold pod. `max_parallel` counts warm pods, idle or not: a task that finds
 every slot taken and an idle pod of another spec retires that pod.
@@ -161,8 +167,11 @@ class WarmPod:
     idle_seconds: float
     manifest: dict[str, Any] = field(default_factory=dict)
     placement: Placement | None = None  # the task it runs now
+    # The task handed to it while busy, which it takes once `placement` has ended.
+    queued: Placement | None = None
     sequence: int = 0  # assignments written so far
     current: int = 0  # the running task's assignment (0: the Job's own first task)
+    accepted: bool = True  # the pod is known to have taken the running task
     deadline: float | None = None
     deadline_hit: bool = False
     # Writing a task's assignment failed: the pod is being ended; if it took the task
@@ -191,6 +200,17 @@ class WarmPod:
     @property
     def warm_dir(self) -> str:
         return layout.warm_dir(self.pod_id)
+
+    def may_queue(self, key: str) -> bool:
+        """Busy running a task of this spec and nothing queued: it can take the next one
+        as it ends its task."""
+        return (
+            self.placement is not None
+            and self.queued is None
+            and bool(self.manifest)  # its Job is being launched: not yet
+            and self.key == key
+            and not (self.retiring or self.ended or self.capacity_wait or self.handover_failed)
+        )
 
     def usable_for(self, key: str, now: float) -> bool:
         """Idle, of this spec, and not about to idle out."""
@@ -243,10 +263,19 @@ def task_assignment(pod: WarmPod, placement: Placement) -> warm.Assignment:
     )
 
 
-def took_task(pod: WarmPod, job_id: str) -> bool:
-    """Whether the pod accepted the task of job `job_id`; if the store cannot tell, it did."""
+def took_task(pod: WarmPod, job_id: str, before: str | None = None) -> bool:
+    """Whether the pod accepted the task of job `job_id`: its `warm-pod.json`, or the final
+    record of `before` (the pod's task before it) naming it. If the store cannot tell, it did."""
     try:
-        return pod.store.exists(layout.job_file(job_id, WARM_POD_JSON))
+        if pod.store.exists(layout.job_file(job_id, WARM_POD_JSON)):
+            return True
+        if before is None:
+            return False
+        try:
+            previous = pod.store.get_bytes(layout.job_file(before, FINAL_STATE_JSON))
+        except FileNotFoundError:
+            return False
+        return FinalRecord.from_json(previous).next_job == job_id
     except Exception:
         logger.warning(
             "Could not tell whether warm pod %s took its task; its end counts as the task's",
@@ -335,7 +364,9 @@ class WarmPods:
                     return True
             pod = self._pod_running(launch)
             if pod is None:
-                return False
+                queued = next((p for p in self._pods if self._queued_on(p, launch)), None)
+                # It waits for the pod's task to end: the pod ends then (`_promote`).
+                return queued is not None
             pod.retiring = True
         pod.backend.cancel(pod.pod_id)
         return True
@@ -362,6 +393,10 @@ class WarmPods:
             return [pod.pod_id for pod in self._pods]
 
     # -- deciding -----------------------------------------------------------------------
+
+    @staticmethod
+    def _queued_on(pod: WarmPod, launch: TaskLaunch) -> bool:
+        return pod.queued is not None and pod.queued.launch is launch
 
     def _pod_running(self, launch: TaskLaunch) -> WarmPod | None:
         return next(
@@ -398,6 +433,7 @@ class WarmPods:
                     self._waiting.remove(placement)
                     pod.sequence += 1
                     pod.current = pod.sequence
+                    pod.accepted = False
                     pod.idle_since = None
                     self._busy(pod, placement, now)
                     actions.hand.append((pod, placement))
@@ -422,6 +458,15 @@ class WarmPods:
                 self._pods.append(pod)
                 self._busy(pod, placement, now)
                 actions.start.append((pod, placement))
+            # Then, for what still waits, the next task of a busy pod, so that it finds it
+            # as it ends its task.
+            for placement in list(self._waiting):
+                pod = next((p for p in self._pods if p.may_queue(placement.key)), None)
+                if pod is not None:
+                    self._waiting.remove(placement)
+                    pod.sequence += 1
+                    pod.queued = placement
+                    actions.hand.append((pod, placement))
             actions.retire.extend(self._make_room_for_waiting_pods())
         for victim in actions.retire:
             self._retire(victim)
@@ -533,18 +578,34 @@ class WarmPods:
             self._schedule()
             return
         self._watch()
+        self._schedule()  # what waits for it may be handed to it now
 
     def _hand(self, pod: WarmPod, placement: Placement) -> None:
         launch = placement.launch
+        with self._lock:
+            queued = pod.queued is placement
+            sequence = pod.sequence if queued else pod.current
         assignment = task_assignment(pod, placement)
         if not self._claim(placement, pod.manifest):
             with self._lock:
-                pod.sequence -= 1  # nothing was written for it
-            self._free(pod)
+                # Nothing was written for it: the number is free again unless a later task
+                # was handed meanwhile, which the pod can then never reach: it ends.
+                last = pod.sequence == sequence
+                if last:
+                    pod.sequence -= 1
+                if queued:
+                    pod.queued = None
+                else:
+                    pod.placement = None
+                pod.retiring = pod.retiring or not last
+            if not last:
+                self._retire(pod)
+            elif not queued:
+                self._free(pod)
             return
         try:
             pod.store.put_bytes(
-                f"{pod.warm_dir}/{warm.assignment_name(pod.current)}", assignment.to_json()
+                f"{pod.warm_dir}/{warm.assignment_name(sequence)}", assignment.to_json()
             )
         except Exception:
             # The pod may never see it: end the pod, and its exit gives the task back.
@@ -576,30 +637,45 @@ class WarmPods:
 
     def _pod_exited(self, pod: WarmPod, outcome: PodExit) -> None:
         with self._lock:
-            placement, sequence, deadline_hit = pod.placement, pod.current, pod.deadline_hit
-            handover_failed = pod.handover_failed
-            pod.placement = None
+            placement, queued, accepted = pod.placement, pod.queued, pod.accepted
+            deadline_hit, handover_failed = pod.deadline_hit, pod.handover_failed
+            pod.placement = pod.queued = None
         self._forget(pod)
         if placement is not None:
-            launch = placement.launch
-            accepted = sequence == 0 or took_task(pod, placement.launch.job_id)
-            if not accepted and not launch.cancelled:
-                logger.info(
-                    "Warm pod %s ended before taking %s; placing it again",
-                    pod.pod_id,
-                    launch.job_id,
-                )
-                with launch.lock:
-                    launch.pods_launched -= 1
-                with self._lock:
-                    if not self._closed:
-                        self._waiting.appendleft(placement)
-            else:
-                ended = task_exit(
-                    outcome, launch, deadline_hit=deadline_hit, handover_failed=handover_failed
-                )
-                launch.in_context(placement.on_end, launch, ended)
+            accepted = accepted or took_task(pod, placement.launch.job_id)
+            self._exit_of(pod, placement, accepted, outcome, deadline_hit, handover_failed)
+        if queued is not None:
+            before = placement.launch.job_id if placement is not None else None
+            accepted = took_task(pod, queued.launch.job_id, before)
+            self._exit_of(pod, queued, accepted, outcome, False, handover_failed)
         self._schedule()
+
+    def _exit_of(
+        self,
+        pod: WarmPod,
+        placement: Placement,
+        accepted: bool,
+        outcome: PodExit,
+        deadline_hit: bool,
+        handover_failed: bool,
+    ) -> None:
+        """The pod's exit, for a task handed to it: the task's end if the pod took it, else
+        the task goes back to the queue."""
+        launch = placement.launch
+        if not accepted and not launch.cancelled:
+            logger.info(
+                "Warm pod %s ended before taking %s; placing it again", pod.pod_id, launch.job_id
+            )
+            with launch.lock:
+                launch.pods_launched -= 1
+            with self._lock:
+                if not self._closed:
+                    self._waiting.appendleft(placement)
+            return
+        ended = task_exit(
+            outcome, launch, deadline_hit=deadline_hit, handover_failed=handover_failed
+        )
+        launch.in_context(placement.on_end, launch, ended)
 
     def _task_ended(self, pod: WarmPod, placement: Placement, data: bytes) -> None:
         """The task's final record is there (`data`): resolve it; the pod idles unless it ends."""
@@ -607,19 +683,39 @@ class WarmPods:
         try:
             record = FinalRecord.from_json(data)
             stays = record.status != STATUS_PHASE_FAILED and record.state_type != "CRASHED"
+            took_next = record.next_job
         except Exception:
-            stays = False
+            stays, took_next = False, None
+        end_pod = False
         with self._lock:
             pod.proven, pod.capacity_wait = True, False
             if pod.placement is not placement:
                 return  # the pod's exit got there first
             pod.placement = None
-            if stays and not pod.retiring:
-                pod.idle_since = time.monotonic()
-            else:
+            if not stays or pod.retiring:
                 pod.retiring = True  # the pod ends itself after such a task
+            elif pod.queued is not None:
+                end_pod = self._promote(pod, took_next)
+            else:
+                pod.idle_since = time.monotonic()
         launch.in_context(placement.on_end, launch, PodExit(launch.job_id, 0, final_record=data))
+        if end_pod:
+            pod.backend.cancel(pod.pod_id)
         self._schedule()
+
+    def _promote(self, pod: WarmPod, took_next: str | None) -> bool:
+        """The pod's queued task is its running one now (under the lock); True if the pod is
+        to end, its task having been cancelled while it waited."""
+        queued = pod.queued
+        assert queued is not None
+        pod.queued = None
+        pod.current = pod.sequence
+        pod.accepted = took_next == queued.launch.job_id
+        self._busy(pod, queued, time.monotonic())
+        if queued.launch.cancelled:
+            pod.retiring = True
+            return True
+        return False
 
     # -- the poller: task ends and deadlines of busy pods ----------------------------------
 

@@ -10,6 +10,7 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 import pytest
 from prefect import flow, get_client, get_run_logger, task
@@ -120,16 +121,19 @@ def test_a_small_payload_travels_in_its_assignment_and_a_large_one_through_the_s
     assert [length for _, (length, _) in ran] == [1, 2, large]
     assert len({pid for _, (_, pid) in ran}) == 1  # one warm pod ran all three
     jobs = workdir / ".kinetic" / "kinetic"
-    # The job that started the pod (the pod is named after it) has no acceptance; the pod
-    # took each later task, naming itself, and only a large one's payload has an object.
-    started = [job_id for job_id, _ in ran if not (jobs / job_id / layout.WARM_POD_JSON).exists()]
-    assert len(started) == 1
+    # The first job started the pod (which is named after it). Each later task was handed
+    # to the pod while it ran the one before, and the pod took it as it reported that one:
+    # the report names it, and no `warm-pod.json` was written. Only the first payload and
+    # the large one have an object.
+    (first,) = [path.parent.parent.name for path in jobs.glob("*/warm/assign-2.json")]
+    taken = [json.loads((jobs / job_id / "final-state.json").read_text()) for job_id, _ in ran]
+    assert sorted(filter(None, (r["next_job"] for r in taken))) == sorted(
+        job_id for job_id, _ in ran if job_id != first
+    )
+    assert not list(jobs.glob(f"*/{layout.WARM_POD_JSON}"))
     for job_id, (length, _) in ran:
-        if job_id != started[0]:
-            taken = json.loads((jobs / job_id / layout.WARM_POD_JSON).read_text())
-            assert taken["pod"] == started[0]
         uploaded = (jobs / job_id / layout.PAYLOAD_FILE).exists()
-        assert uploaded == (job_id == started[0] or length == large), (job_id, length)
+        assert uploaded == (job_id == first or length == large), (job_id, length)
 
 
 def test_a_task_that_ends_its_warm_pod_is_crashed_and_the_next_task_gets_a_new_pod(workdir):
@@ -320,6 +324,63 @@ def test_a_task_handed_to_a_pod_that_ends_before_taking_it_runs_on_a_fresh_pod_w
     assert len(_pods(workdir)) == 2
 
 
+def _queued_behind_a_gate(workdir: Path) -> tuple[Any, Any, LocalPod]:
+    """In a flow: a gated task running on a warm pod, and a task handed to that pod to take
+    once the gated one ends; and the pod."""
+    gated = wait_for_gate.submit(str(workdir / "never"))
+    wait_for_task_run_state(gated.task_run_id, "RUNNING")
+    queued = note_environment.submit(2)
+    jobs = workdir / ".kinetic" / "kinetic"
+    wait_until(lambda: list(jobs.glob("*/warm/assign-1.json")), 30, "the second task's hand-over")
+    (pod,) = _pods(workdir)
+    return gated, queued, pod
+
+
+def test_a_task_queued_on_a_pod_that_dies_before_taking_it_runs_on_a_fresh_pod_as_attempt_one(
+    workdir,
+):
+    @flow(task_runner=KineticTaskRunner(warm_pods=True, max_parallel=1))
+    def run() -> tuple[int, str, int, Any]:
+        gated, queued, pod = _queued_behind_a_gate(workdir)
+        assert pod.pid is not None
+        os.kill(pod.pid, signal.SIGKILL)
+        gated.wait()
+        return pod.pid, gated.state.type.value, queued.result()["pid"], queued.task_run_id
+
+    killed_pid, gated_state, queued_pid, queued_id = run()
+
+    assert gated_state == "CRASHED"
+    assert queued_pid != killed_pid
+    assert len(_pods(workdir)) == 2
+
+    async def run_count() -> int:
+        async with get_client() as client:
+            return (await client.read_task_run(queued_id)).run_count
+
+    import anyio
+
+    assert anyio.run(run_count) == 1
+
+
+def test_cancelling_a_flows_tasks_cancels_one_queued_on_a_busy_warm_pod_and_starts_no_pod(
+    workdir,
+):
+    @flow(task_runner=KineticTaskRunner(warm_pods=True, max_parallel=1, cancel_grace_seconds=2))
+    def run() -> tuple[str, str, LocalPod]:
+        runner = FlowRunContext.get().task_runner  # type: ignore[union-attr]
+        gated, queued, pod = _queued_behind_a_gate(workdir)
+        runner.cancel_all()
+        gated.wait()
+        queued.wait()
+        return gated.state.type.value, queued.state.type.value, pod
+
+    gated_state, queued_state, pod = run()
+
+    assert (gated_state, queued_state) == ("CANCELLED", "CANCELLED")
+    assert [p.job_id for p in _pods(workdir)] == [pod.job_id]
+    assert _pod_with_pid(workdir, pod.pid).ended
+
+
 def test_cancelling_a_task_on_a_warm_pod_ends_that_pod_and_records_it_cancelled(workdir):
     @flow(task_runner=KineticTaskRunner(warm_pods=True, max_parallel=1, cancel_grace_seconds=2))
     def run() -> tuple[int, str, object]:
@@ -446,6 +507,10 @@ def test_the_runner_reads_a_warm_tasks_final_record_once_the_api_shows_it_ended(
     # and a look at each check whose API answer took over 2 s (8 reads in 29 s were seen on a
     # loaded machine). Reading each busy pod's record every 0.5 s or so made 56 in 34 s.
     assert len(reads) <= 3 + wall / 4, (len(reads), wall)
+    # The second and third tasks were handed to the pod while it ran the task before, and
+    # it took each as it reported that one: no acceptance of their own.
+    acceptances = [path for _, _, path in gcs.iam.requests if layout.WARM_POD_JSON in unquote(path)]
+    assert acceptances == []
     # Nobody looks a bucket up: google-cloud-storage does in the background unless told
     # not to, and a warm pod that put its environment back between tasks lost the setting.
     lookups = [
