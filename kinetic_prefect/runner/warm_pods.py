@@ -26,9 +26,10 @@ failed before the engine ran), and for every busy pod while the API has not answ
 within `API_WAIT_SECONDS`. On a local jobs dir each look reads the records.
 A pod that exits with a task it never accepted (it idled out just as the task
 was handed to it, or died with a task queued) gives the task back: it is placed
-again, on a fresh pod if need be, without touching the retry budget. Any other exit is the task's, exactly as
-for a cold pod. `max_parallel` counts warm pods, idle or not: a task that finds
-every slot taken and an idle pod of another spec retires that pod.
+again, on a fresh pod if need be, without touching the retry budget. Any other
+exit is the task's, exactly as for a cold pod. `max_parallel` counts warm pods,
+idle or not: a task that finds every slot taken and an idle pod of another spec
+retires that pod.
 
 Finite capacity. No new pod of a spec starts while one of them waits for capacity
 (nodes of its kind busy): the task runs waiting for a pod go to the pods that run.
