@@ -462,7 +462,9 @@ class WarmPods:
             # Then, for what still waits, the next task of a busy pod, so that it finds it
             # as it ends its task.
             for placement in list(self._waiting):
-                pod = next((p for p in self._pods if p.may_queue(placement.key)), None)
+                busy = [p for p in self._pods if p.may_queue(placement.key)]
+                # The pod whose task has run longest is likely to end it first.
+                pod = min(busy, key=lambda p: p.busy_since) if busy else None
                 if pod is not None:
                     self._waiting.remove(placement)
                     pod.sequence += 1
@@ -695,6 +697,8 @@ class WarmPods:
             pod.placement = None
             if not stays or pod.retiring:
                 pod.retiring = True  # the pod ends itself after such a task
+                if pod.queued is not None and took_next == pod.queued.launch.job_id:
+                    self._promote(pod, took_next)  # it took it: its exit is that task's
             elif pod.queued is not None:
                 end_pod = self._promote(pod, took_next)
             else:
