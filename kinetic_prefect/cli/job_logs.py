@@ -187,13 +187,13 @@ def warm_pod_of(store: JobsStore | None, job_id: str) -> str | None:
 def assigned_pod_of(store: JobsStore, job_id: str) -> str | None:
     """The warm pod whose warm dir holds job `job_id`'s assignment: a pod that took it as
     it reported its task before writes no `warm-pod.json` (a scan of the jobs store)."""
-    from kinetic_prefect.common.handover import Assignment
+    from kinetic_prefect.common.handover import batch_from_json
 
     for name, _ in store.list(f"{layout.JOBS_PREFIX}/"):
         pod, _, file = name.removeprefix(f"{layout.JOBS_PREFIX}/").partition("/warm/")
         if not file.startswith("assign-"):
             continue
-        if Assignment.from_json(store.get_bytes(name)).job_id == job_id:
+        if any(task.job_id == job_id for task in batch_from_json(store.get_bytes(name))):
             return pod
     return None
 

@@ -2,16 +2,17 @@
 
 The runner cannot reach a pod over the network on GKE, so work is handed over
 through the jobs store. A warm pod's warm dir (`common.layout.warm_dir`) receives
-`assign-{n}.json` for its n-th next task: the task's payload inline when it is small
-(else its URI) and the env that differs from the pod's own. The runner writes it
-while the pod still runs its task when every pod of the spec is busy.
+`assign-{n}.json`, its n-th batch of next tasks, run in order: for each, the task's
+payload inline when it is small (else its URI) and the env that differs from the
+pod's own. The runner writes a batch (up to `MAX_BATCH` tasks) while the pod still
+runs its task when every pod of the spec is busy; to an idle pod it hands one task.
 
 The pod accepts a task before it touches it, so that a runner that sees the pod exit
-can tell a task the pod never picked up from one it ran. A pod that finds the next
-assignment as it reports its task names it in that task's final record
-(`FinalRecord.next_job`); one that finds it later, while idle, writes the task's
-`warm-pod.json` (`common.layout.WARM_POD_JSON`, naming the pod). `kinetic-prefect jobs
-logs` finds the pod from either, or from the assignment itself.
+can tell a task the pod never picked up from one it ran. A pod that has its next task
+as it reports a task (the rest of a batch, or a batch it finds then) names it in that
+task's final record (`FinalRecord.next_job`); one that finds it later, while idle,
+writes the task's `warm-pod.json` (`common.layout.WARM_POD_JSON`, naming the pod).
+`kinetic-prefect jobs logs` finds the pod from either, or from the assignment itself.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ def reuse_margin(uri: str) -> float:
 
 # A payload up to this size travels inside its assignment: no object of its own.
 INLINE_PAYLOAD_BYTES = 64 * 1024
+# The most tasks one assignment hands a busy pod (more would leave other pods idle at
+# the end of a map while one works through its batch).
+MAX_BATCH = 4
 
 
 @dataclass(frozen=True)
@@ -66,12 +70,14 @@ class Assignment:
         """The inline payload, or None when the pod reads it from `payload`."""
         return base64.b64decode(self.payload_inline) if self.payload_inline else None
 
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
 
-    @classmethod
-    def from_json(cls, data: bytes) -> Assignment:
-        return cls(**json.loads(data))
+def batch_to_json(batch: list[Assignment]) -> bytes:
+    """An `assign-{n}.json`: the tasks the pod runs next, in order."""
+    return json.dumps([asdict(a) for a in batch], sort_keys=True).encode()
+
+
+def batch_from_json(data: bytes) -> list[Assignment]:
+    return [Assignment(**item) for item in json.loads(data)]
 
 
 def acceptance(pod_id: str, sequence: int) -> bytes:

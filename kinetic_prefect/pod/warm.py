@@ -1,10 +1,11 @@
 """A warm pod: after its task, wait for the next task run of the same pod spec.
 
 The hand-over goes through the jobs store (`kinetic_prefect.common.handover`):
-the pod's warm dir (`KINETIC_WARM_DIR`) receives the next assignment, often while
-the pod still runs its task. The pod looks for it once before it reports the task's
-end and names it in that final record if it is there; otherwise it waits for it and
-accepts it with the task's `warm-pod.json`. Either way before it touches the task.
+the pod's warm dir (`KINETIC_WARM_DIR`) receives the next assignment, a batch of
+tasks, often while the pod still runs its task. As it reports a task, the pod takes
+its next one (the rest of its batch, or the first of a batch it finds then) and names
+it in that final record; otherwise it waits for an assignment and accepts its first
+task with the task's `warm-pod.json`. Either way before it touches the task.
 
 Between tasks the pod goes back to its base environment: `os.environ` as the pod
 started, its working directory and a fresh scratch directory per task. What stays
@@ -29,7 +30,13 @@ from kinetic_prefect.common.env import (
     WARM_DIR_ENV,
     WARM_IDLE_ENV,
 )
-from kinetic_prefect.common.handover import Assignment, acceptance, assignment_name, poll_seconds
+from kinetic_prefect.common.handover import (
+    Assignment,
+    acceptance,
+    assignment_name,
+    batch_from_json,
+    poll_seconds,
+)
 from kinetic_prefect.common.layout import WARM_POD_JSON
 from kinetic_prefect.pod.runner import EXIT_COMPLETED, EXIT_PHASE_FAILED, PodRun, log, run_task
 
@@ -47,8 +54,10 @@ class WarmLoop:
         self.task_scratch: Path | None = None
         # The pod's name: the job id it started with (its warm dir is named after it too).
         self.pod_id = os.environ.get(JOB_ID_ENV, "")
-        # The next assignment, taken before the last task's report named it.
+        # The next task, taken before the last task's report named it.
         self.taken: Assignment | None = None
+        # The rest of the last batch read, not taken yet.
+        self.batch: list[Assignment] = []
 
     @classmethod
     def from_environ(cls, hosts: int) -> WarmLoop | None:
@@ -64,9 +73,18 @@ class WarmLoop:
         except FileNotFoundError:
             return None
 
+    def _next_batch(self, data: bytes) -> Assignment:
+        """The first task of the batch just read; the rest are kept for later."""
+        first, *self.batch = batch_from_json(data)
+        self.sequence += 1
+        return first
+
     def take_next(self) -> str | None:
-        """Before the task's report: take the next assignment if the runner has written it
-        already (the report then names its job: the pod's acceptance); None if not."""
+        """Before the task's report: take the next task if the pod has it or the runner has
+        written it already (the report then names its job: the pod's acceptance)."""
+        if self.batch:
+            self.taken = self.batch.pop(0)
+            return self.taken.job_id
         try:
             data = self._read(assignment_name(self.sequence + 1))
         except Exception as exc:  # the wait after the report looks again
@@ -74,33 +92,33 @@ class WarmLoop:
             return None
         if data is None:
             return None
-        self.taken = Assignment.from_json(data)
-        self.sequence += 1
+        self.taken = self._next_batch(data)
         return self.taken.job_id
 
     def wait_for_assignment(self) -> Assignment | None:
-        """The next assignment, or None once the pod has been idle for its idle time."""
+        """The next task, or None once the pod has been idle for its idle time."""
         if self.taken is not None:
             taken, self.taken = self.taken, None
             return taken
-        name = assignment_name(self.sequence + 1)
-        deadline = time.monotonic() + self.idle_seconds
-        interval = poll_seconds(self.warm_dir)
-        # No look at once: the pod looked just before its report, and the runner hands the
-        # next task only after it has read that report.
-        time.sleep(interval)
-        while (data := self._read(name)) is None:
-            if time.monotonic() >= deadline:
-                return None
+        if self.batch:
+            task = self.batch.pop(0)
+        else:
+            name = assignment_name(self.sequence + 1)
+            deadline = time.monotonic() + self.idle_seconds
+            interval = poll_seconds(self.warm_dir)
+            # No look at once: the pod looked just before its report, and the runner hands
+            # the next task only after it has read that report.
             time.sleep(interval)
-        assignment = Assignment.from_json(data)
-        self.sequence += 1
+            while (data := self._read(name)) is None:
+                if time.monotonic() >= deadline:
+                    return None
+                time.sleep(interval)
+            task = self._next_batch(data)
         # Written before anything of the task runs: a pod that exits without it never took it.
         storage.write_uri(
-            f"{assignment.job_dir.rstrip('/')}/{WARM_POD_JSON}",
-            acceptance(self.pod_id, self.sequence),
+            f"{task.job_dir.rstrip('/')}/{WARM_POD_JSON}", acceptance(self.pod_id, self.sequence)
         )
-        return assignment
+        return task
 
     def begin_task(self, env: dict[str, str] | None = None) -> None:
         """The base environment plus the task's own env, and a fresh scratch dir."""

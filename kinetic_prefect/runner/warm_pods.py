@@ -12,10 +12,11 @@ task's own identity (job id, task run, payload, output dir, attempt number) can
 run one after the other in one pod.
 
 A task goes to an idle pod of its spec, else to a new pod where there is room, else
-it is queued on a busy pod of its spec (one task per pod): its assignment is written
-at once and the pod takes it as it reports its running task, without a look at the
-store in between. A queued task waits for that pod's task, even if another pod frees
-up first.
+it is queued on a busy pod of its spec that has nothing queued: the waiting tasks of
+the spec shared among its busy pods, up to `handover.MAX_BATCH` to a pod, go in one
+assignment, written at once. The pod takes its next task as it reports the one
+before, without a look at the store in between. A queued task waits for its pod's
+tasks before it, even if another pod frees up first.
 
 The runner learns that a task ended from its final record in its own
 `kinetic/{job_id}/` dir, or from the pod's exit. On a bucket it reads the record once
@@ -168,8 +169,8 @@ class WarmPod:
     idle_seconds: float
     manifest: dict[str, Any] = field(default_factory=dict)
     placement: Placement | None = None  # the task it runs now
-    # The task handed to it while busy, which it takes once `placement` has ended.
-    queued: Placement | None = None
+    # The tasks handed to it while busy, which it takes in turn once `placement` has ended.
+    queued: list[Placement] = field(default_factory=list)
     sequence: int = 0  # assignments written so far
     current: int = 0  # the running task's assignment (0: the Job's own first task)
     accepted: bool = True  # the pod is known to have taken the running task
@@ -207,7 +208,7 @@ class WarmPod:
         as it ends its task."""
         return (
             self.placement is not None
-            and self.queued is None
+            and not self.queued
             and bool(self.manifest)  # its Job is being launched: not yet
             and self.key == key
             and not (self.retiring or self.ended or self.capacity_wait or self.handover_failed)
@@ -312,6 +313,7 @@ class _Actions:
     """What `_schedule` decided under the lock, done after it is released."""
 
     hand: list[tuple[WarmPod, Placement]] = field(default_factory=list)
+    batches: list[WarmPod] = field(default_factory=list)  # their `queued`, to write
     start: list[tuple[WarmPod, Placement]] = field(default_factory=list)
     retire: list[WarmPod] = field(default_factory=list)
 
@@ -397,7 +399,7 @@ class WarmPods:
 
     @staticmethod
     def _queued_on(pod: WarmPod, launch: TaskLaunch) -> bool:
-        return pod.queued is not None and pod.queued.launch is launch
+        return any(placement.launch is launch for placement in pod.queued)
 
     def _pod_running(self, launch: TaskLaunch) -> WarmPod | None:
         return next(
@@ -462,14 +464,21 @@ class WarmPods:
             # Then, for what still waits, the next task of a busy pod, so that it finds it
             # as it ends its task.
             for placement in list(self._waiting):
+                if placement not in self._waiting:
+                    continue  # in the batch of an earlier one
                 busy = [p for p in self._pods if p.may_queue(placement.key)]
+                if not busy:
+                    continue
                 # The pod whose task has run longest is likely to end it first.
-                pod = min(busy, key=lambda p: p.busy_since) if busy else None
-                if pod is not None:
-                    self._waiting.remove(placement)
-                    pod.sequence += 1
-                    pod.queued = placement
-                    actions.hand.append((pod, placement))
+                pod = min(busy, key=lambda p: p.busy_since)
+                alike = [p for p in self._waiting if p.key == placement.key]
+                pods = sum(1 for p in self._pods if p.key == placement.key and not p.ended)
+                share = min(warm.MAX_BATCH, -(-len(alike) // max(pods, 1)))
+                pod.queued = alike[:share]
+                pod.sequence += 1
+                for queued in pod.queued:
+                    self._waiting.remove(queued)
+                actions.batches.append(pod)
             actions.retire.extend(self._make_room_for_waiting_pods())
         for victim in actions.retire:
             self._retire(victim)
@@ -477,6 +486,8 @@ class WarmPods:
             self._start(pod, placement)
         for pod, placement in actions.hand:
             self._hand(pod, placement)
+        for pod in actions.batches:
+            self._hand_batch(pod)
 
     def _may_grow(self, placement: Placement) -> bool:
         """Whether a new pod of the placement's spec may start now (the module docstring)."""
@@ -584,21 +595,31 @@ class WarmPods:
         self._schedule()  # what waits for it may be handed to it now
 
     def _hand(self, pod: WarmPod, placement: Placement) -> None:
-        launch = placement.launch
+        """Hand an idle pod its next task."""
         with self._lock:
-            queued = pod.queued is placement
-            sequence = pod.sequence if queued else pod.current
-        assignment = task_assignment(pod, placement)
-        if not self._claim(placement, pod.manifest):
+            sequence = pod.current
+        self._send(pod, sequence, [placement], queued=False)
+
+    def _hand_batch(self, pod: WarmPod) -> None:
+        """Hand a busy pod the tasks queued on it, to take as it ends its task."""
+        with self._lock:
+            sequence, batch = pod.sequence, list(pod.queued)
+        self._send(pod, sequence, batch, queued=True)
+
+    def _send(self, pod: WarmPod, sequence: int, placements: list[Placement], queued: bool) -> None:
+        """Write `assign-{sequence}.json` with the placements not cancelled meanwhile."""
+        claimed = [p for p in placements if self._claim(p, pod.manifest)]
+        if len(claimed) < len(placements):
             with self._lock:
-                # Nothing was written for it: the number is free again unless a later task
+                pod.queued = [p for p in pod.queued if p in claimed]
+        if not claimed:
+            with self._lock:
+                # Nothing was written: the number is free again unless a later assignment
                 # was handed meanwhile, which the pod can then never reach: it ends.
                 last = pod.sequence == sequence
                 if last:
                     pod.sequence -= 1
-                if queued:
-                    pod.queued = None
-                else:
+                if not queued:
                     pod.placement = None
                 pod.retiring = pod.retiring or not last
             if not last:
@@ -606,18 +627,21 @@ class WarmPods:
             elif not queued:
                 self._free(pod)
             return
+        batch = [task_assignment(pod, placement) for placement in claimed]
         try:
             pod.store.put_bytes(
-                f"{pod.warm_dir}/{warm.assignment_name(sequence)}", assignment.to_json()
+                f"{pod.warm_dir}/{warm.assignment_name(sequence)}", warm.batch_to_json(batch)
             )
         except Exception:
-            # The pod may never see it: end the pod, and its exit gives the task back.
-            logger.warning("Could not hand %s to warm pod %s", launch.job_id, pod.pod_id)
+            # The pod may never see it: end the pod, and its exit gives the tasks back.
+            logger.warning(
+                "Could not hand %s to warm pod %s", [a.job_id for a in batch], pod.pod_id
+            )
             with self._lock:
                 pod.retiring = pod.handover_failed = True
             pod.backend.cancel(pod.pod_id)
             return
-        logger.debug("Task run %s went to warm pod %s", launch.task_run.name, pod.pod_id)
+        logger.debug("%s went to warm pod %s", [a.job_id for a in batch], pod.pod_id)
         self._watch()
 
     def _retire(self, pod: WarmPod) -> None:
@@ -642,15 +666,18 @@ class WarmPods:
         with self._lock:
             placement, queued, accepted = pod.placement, pod.queued, pod.accepted
             deadline_hit, handover_failed = pod.deadline_hit, pod.handover_failed
-            pod.placement = pod.queued = None
+            pod.placement, pod.queued = None, []
         self._forget(pod)
         if placement is not None:
             accepted = accepted or took_task(pod, placement.launch.job_id)
             self._exit_of(pod, placement, accepted, outcome, deadline_hit, handover_failed)
-        if queued is not None:
-            before = placement.launch.job_id if placement is not None else None
-            accepted = took_task(pod, queued.launch.job_id, before)
-            self._exit_of(pod, queued, accepted, outcome, False, handover_failed)
+        # The pod takes its queued tasks in order, each named in the report of the one before.
+        before = placement.launch.job_id if placement is not None else None
+        taken = accepted or placement is None
+        for task in queued:
+            taken = taken and took_task(pod, task.launch.job_id, before)
+            self._exit_of(pod, task, taken, outcome, False, handover_failed)
+            before = task.launch.job_id
         self._schedule()
 
     def _exit_of(
@@ -697,9 +724,9 @@ class WarmPods:
             pod.placement = None
             if not stays or pod.retiring:
                 pod.retiring = True  # the pod ends itself after such a task
-                if pod.queued is not None and took_next == pod.queued.launch.job_id:
+                if pod.queued and took_next == pod.queued[0].launch.job_id:
                     self._promote(pod, took_next)  # it took it: its exit is that task's
-            elif pod.queued is not None:
+            elif pod.queued:
                 end_pod = self._promote(pod, took_next)
             else:
                 pod.idle_since = time.monotonic()
@@ -709,11 +736,9 @@ class WarmPods:
         self._schedule()
 
     def _promote(self, pod: WarmPod, took_next: str | None) -> bool:
-        """The pod's queued task is its running one now (under the lock); True if the pod is
-        to end, its task having been cancelled while it waited."""
-        queued = pod.queued
-        assert queued is not None
-        pod.queued = None
+        """The pod's first queued task is its running one now (under the lock); True if the
+        pod is to end, that task having been cancelled while it waited."""
+        queued = pod.queued.pop(0)
         pod.current = pod.sequence
         pod.accepted = took_next == queued.launch.job_id
         self._busy(pod, queued, time.monotonic())

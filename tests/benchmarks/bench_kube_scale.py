@@ -79,6 +79,7 @@ def _flow_process(runner_kind: str, n: int, env: dict[str, str], cwd: Path) -> d
         text=True,
         check=False,
     )
+    (cwd / f"flow-{runner_kind}.log").write_text(completed.stderr)
     lines = [line for line in completed.stdout.splitlines() if line.startswith("{")]
     if completed.returncode != 0 or not lines:
         raise RuntimeError(f"The {runner_kind} flow failed:\n{completed.stderr[-5000:]}")
@@ -194,6 +195,7 @@ def main(n: int = 100, nodes: int = 8, modes: tuple[str, ...] = ("cold", "warm")
     for label, requests, uploaded in breakdowns:
         print_breakdown(label, requests, uploaded, n)
     print(f"\nEvery GCS request (identity, method, path): {workdir}/gcs-requests-*.json")
+    print(f"The flow processes' logs: {workdir}/flow-*.log")
 
 
 if __name__ == "__main__":

@@ -125,7 +125,7 @@ def test_a_small_payload_travels_in_its_assignment_and_a_large_one_through_the_s
     # to the pod while it ran the one before, and the pod took it as it reported that one:
     # the report names it, and no `warm-pod.json` was written. Only the first payload and
     # the large one have an object.
-    (first,) = [path.parent.parent.name for path in jobs.glob("*/warm/assign-2.json")]
+    (first,) = [path.parent.parent.name for path in jobs.glob("*/warm/assign-1.json")]
     taken = [json.loads((jobs / job_id / "final-state.json").read_text()) for job_id, _ in ran]
     assert sorted(filter(None, (r["next_job"] for r in taken))) == sorted(
         job_id for job_id, _ in ran if job_id != first
@@ -257,7 +257,7 @@ def test_a_handover_write_that_fails_after_it_landed_retries_the_task_instead_of
     def put_then_fail(self: LocalStore, key: str, data: bytes) -> str:
         stored = put_bytes(self, key, data)
         if key.endswith("/warm/assign-1.json"):
-            accepted = layout.job_file(json.loads(data)["job_id"], layout.WARM_POD_JSON)
+            accepted = layout.job_file(json.loads(data)[0]["job_id"], layout.WARM_POD_JSON)
             wait_until(lambda: self.exists(accepted), 60, "the pod to take the task")
             raise OSError("the write timed out")
         return stored
@@ -325,15 +325,45 @@ def test_a_task_handed_to_a_pod_that_ends_before_taking_it_runs_on_a_fresh_pod_w
 
 
 def _queued_behind_a_gate(workdir: Path) -> tuple[Any, Any, LocalPod]:
-    """In a flow: a gated task running on a warm pod, and a task handed to that pod to take
-    once the gated one ends; and the pod."""
-    gated = wait_for_gate.submit(str(workdir / "never"))
+    """In a flow: a task running on a warm pod until `workdir / "gate"` exists, and a task
+    handed to that pod to take once the gated one ends; and the pod."""
+    gated = wait_for_gate.submit(str(workdir / "gate"))
     wait_for_task_run_state(gated.task_run_id, "RUNNING")
     queued = note_environment.submit(2)
     jobs = workdir / ".kinetic" / "kinetic"
     wait_until(lambda: list(jobs.glob("*/warm/assign-1.json")), 30, "the second task's hand-over")
     (pod,) = _pods(workdir)
     return gated, queued, pod
+
+
+def test_tasks_waiting_for_a_busy_pod_go_to_it_in_a_batch_and_each_is_taken_without_a_look(
+    workdir,
+):
+    gate = workdir / "gate"
+
+    @flow(task_runner=KineticTaskRunner(warm_pods=True, max_parallel=1))
+    def run() -> tuple[list[str], list[int]]:
+        gated, queued, _ = _queued_behind_a_gate(workdir)
+        rest = note_environment.map(range(3, 7))
+        gate.touch()
+        pids = [f.result()["pid"] for f in [queued, *rest]]
+        return [f.job_id for f in [gated, queued, *rest]], pids
+
+    job_ids, pids = run()
+
+    assert len(set(pids)) == 1
+    jobs = workdir / ".kinetic" / "kinetic"
+    batches = [
+        [task["job_id"] for task in json.loads(path.read_text())]
+        for path in sorted((jobs / job_ids[0] / "warm").glob("assign-*.json"))
+    ]
+    # The first hand-over had one task waiting; the rest waited together for the next.
+    assert sorted(sum(batches, [])) == sorted(job_ids[1:])
+    assert max(len(batch) for batch in batches) > 1, batches
+    # The pod took every task as it reported the one before.
+    reports = [json.loads((jobs / job_id / "final-state.json").read_text()) for job_id in job_ids]
+    assert sorted(filter(None, (r["next_job"] for r in reports))) == sorted(job_ids[1:])
+    assert not list(jobs.glob(f"*/{layout.WARM_POD_JSON}"))
 
 
 def test_a_task_queued_on_a_pod_that_dies_before_taking_it_runs_on_a_fresh_pod_as_attempt_one(
