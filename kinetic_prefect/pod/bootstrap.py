@@ -351,6 +351,7 @@ def record_failure(job_dir: str, message: str, error: BaseException) -> None:
         "result_storage_key": None,
         "result_sha256": None,
         "result_record": None,
+        "next_job": None,
     }
     key = os.environ.get(SIGNING_KEY_ENV)
     signature = None

@@ -40,6 +40,11 @@ from kinetic_prefect.common.handover import (
 from kinetic_prefect.common.layout import WARM_POD_JSON
 from kinetic_prefect.pod.runner import EXIT_COMPLETED, EXIT_PHASE_FAILED, PodRun, log, run_task
 
+# An idle pod's looks for its next task: every `poll_seconds` at first, then less often,
+# one more `poll_seconds` apart for each IDLE_SLOWDOWN_SECONDS idle, to MAX_SLOWDOWN times.
+IDLE_SLOWDOWN_SECONDS = 5.0
+MAX_SLOWDOWN = 10
+
 
 class WarmLoop:
     """The pod's side of the hand-over; None from `from_environ` when the pod is cold."""
@@ -103,22 +108,33 @@ class WarmLoop:
         if self.batch:
             task = self.batch.pop(0)
         else:
-            name = assignment_name(self.sequence + 1)
-            deadline = time.monotonic() + self.idle_seconds
-            interval = poll_seconds(self.warm_dir)
-            # No look at once: the pod looked just before its report, and the runner hands
-            # the next task only after it has read that report.
-            time.sleep(interval)
-            while (data := self._read(name)) is None:
-                if time.monotonic() >= deadline:
-                    return None
-                time.sleep(interval)
+            data = self._wait_for(assignment_name(self.sequence + 1))
+            if data is None:
+                return None
             task = self._next_batch(data)
         # Written before anything of the task runs: a pod that exits without it never took it.
         storage.write_uri(
             f"{task.job_dir.rstrip('/')}/{WARM_POD_JSON}", acceptance(self.pod_id, self.sequence)
         )
         return task
+
+    def _wait_for(self, name: str) -> bytes | None:
+        """The warm dir's `name` once it is there, or None after the idle time. The pod looks
+        less often the longer it idles (a map's next task comes at once, a later one may
+        wait a little), and once more at the end of its idle time."""
+        started = time.monotonic()
+        deadline = started + self.idle_seconds
+        base = poll_seconds(self.warm_dir)
+        # No look at once: the pod looked just before its report, and the runner hands
+        # the next task only after it has read that report.
+        time.sleep(base)
+        while (data := self._read(name)) is None:
+            now = time.monotonic()
+            if now >= deadline:
+                return None
+            interval = base * min(1 + (now - started) / IDLE_SLOWDOWN_SECONDS, MAX_SLOWDOWN)
+            time.sleep(min(interval, deadline - now))
+        return data
 
     def begin_task(self, env: dict[str, str] | None = None) -> None:
         """The base environment plus the task's own env, and a fresh scratch dir."""

@@ -356,6 +356,8 @@ class WarmPods:
             if self._closed:
                 raise RuntimeError("The runner is closed; submit inside the flow run.")
             self._waiting.append(placement)
+            waiting = len(self._waiting)
+        logger.debug("%s waits for a warm pod (%d waiting)", placement.launch.job_id, waiting)
         self._schedule()
 
     def cancel(self, launch: TaskLaunch) -> bool:
@@ -730,6 +732,7 @@ class WarmPods:
                 end_pod = self._promote(pod, took_next)
             else:
                 pod.idle_since = time.monotonic()
+        logger.debug("%s ended on warm pod %s", launch.job_id, pod.pod_id)
         launch.in_context(placement.on_end, launch, PodExit(launch.job_id, 0, final_record=data))
         if end_pod:
             pod.backend.cancel(pod.pod_id)
