@@ -12,11 +12,11 @@ task's own identity (job id, task run, payload, output dir, attempt number) can
 run one after the other in one pod.
 
 A task goes to an idle pod of its spec, else to a new pod where there is room, else
-it is queued on a busy pod of its spec that has nothing queued: the waiting tasks of
-the spec shared among its busy pods, up to `handover.MAX_BATCH` to a pod, go in one
-assignment, written at once. The pod takes its next task as it reports the one
-before, without a look at the store in between. A queued task waits for its pod's
-tasks before it, even if another pod frees up first.
+it is queued on a busy pod of its spec that has ended a task before (it runs) and
+has nothing queued: the waiting tasks of the spec shared among its busy pods, up to
+`handover.MAX_BATCH` to a pod, go in one assignment, written at once. The pod takes
+its next task as it reports the one before, without a look at the store in between.
+A queued task waits for its pod's tasks before it, even if another pod frees up first.
 
 The runner learns that a task ended from its final record in its own
 `kinetic/{job_id}/` dir, or from the pod's exit. On a bucket it reads the record once
@@ -204,12 +204,13 @@ class WarmPod:
         return layout.warm_dir(self.pod_id)
 
     def may_queue(self, key: str) -> bool:
-        """Busy running a task of this spec and nothing queued: it can take the next one
-        as it ends its task."""
+        """Busy running a task of this spec, nothing queued, and known to run (it has ended
+        a task): it can take the next ones as it ends its task. A pod still starting could
+        hold them for as long as its start takes while pods that run go idle."""
         return (
             self.placement is not None
             and not self.queued
-            and bool(self.manifest)  # its Job is being launched: not yet
+            and self.proven
             and self.key == key
             and not (self.retiring or self.ended or self.capacity_wait or self.handover_failed)
         )

@@ -126,11 +126,17 @@ def test_a_small_payload_travels_in_its_assignment_and_a_large_one_through_the_s
     # the report names it, and no `warm-pod.json` was written. Only the first payload and
     # the large one have an object.
     (first,) = [path.parent.parent.name for path in jobs.glob("*/warm/assign-1.json")]
-    taken = [json.loads((jobs / job_id / "final-state.json").read_text()) for job_id, _ in ran]
-    assert sorted(filter(None, (r["next_job"] for r in taken))) == sorted(
-        job_id for job_id, _ in ran if job_id != first
-    )
-    assert not list(jobs.glob(f"*/{layout.WARM_POD_JSON}"))
+    # Each later task was accepted: named in the report of the task before it (the pod
+    # had it then) or, when the pod was idle as it was handed, by its warm-pod.json.
+    named = {
+        r["next_job"]
+        for r in (json.loads((jobs / j / "final-state.json").read_text()) for j, _ in ran)
+    } - {None}
+    answered = {p.parent.name for p in jobs.glob(f"*/{layout.WARM_POD_JSON}")}
+    for job_id in answered:
+        assert json.loads((jobs / job_id / layout.WARM_POD_JSON).read_text())["pod"] == first
+    assert sorted(named | answered) == sorted(j for j, _ in ran if j != first)
+    assert not named & answered
     for job_id, (length, _) in ran:
         uploaded = (jobs / job_id / layout.PAYLOAD_FILE).exists()
         assert uploaded == (job_id == first or length == large), (job_id, length)
@@ -325,13 +331,15 @@ def test_a_task_handed_to_a_pod_that_ends_before_taking_it_runs_on_a_fresh_pod_w
 
 
 def _queued_behind_a_gate(workdir: Path) -> tuple[Any, Any, LocalPod]:
-    """In a flow: a task running on a warm pod until `workdir / "gate"` exists, and a task
-    handed to that pod to take once the gated one ends; and the pod."""
+    """In a flow: a warm pod that has run a task, a task running on it until
+    `workdir / "gate"` exists, and a task handed to it to take once the gated one ends;
+    and the pod."""
+    note_environment.submit(0).wait()  # a pod still starting is handed one task only
     gated = wait_for_gate.submit(str(workdir / "gate"))
     wait_for_task_run_state(gated.task_run_id, "RUNNING")
     queued = note_environment.submit(2)
     jobs = workdir / ".kinetic" / "kinetic"
-    wait_until(lambda: list(jobs.glob("*/warm/assign-1.json")), 30, "the second task's hand-over")
+    wait_until(lambda: list(jobs.glob("*/warm/assign-2.json")), 30, "the third task's hand-over")
     (pod,) = _pods(workdir)
     return gated, queued, pod
 
@@ -353,17 +361,24 @@ def test_tasks_waiting_for_a_busy_pod_go_to_it_in_a_batch_and_each_is_taken_with
 
     assert len(set(pids)) == 1
     jobs = workdir / ".kinetic" / "kinetic"
+    (warm_dir,) = jobs.glob("*/warm")
     batches = [
         [task["job_id"] for task in json.loads(path.read_text())]
-        for path in sorted((jobs / job_ids[0] / "warm").glob("assign-*.json"))
+        for path in sorted(warm_dir.glob("assign-*.json"), key=lambda p: int(p.stem[7:]))
     ]
-    # The first hand-over had one task waiting; the rest waited together for the next.
-    assert sorted(sum(batches, [])) == sorted(job_ids[1:])
+    # The gated task went to the idle pod; the next found the pod busy; the rest waited
+    # for that one's hand-over and went in one batch.
+    assert batches[0] == [job_ids[0]]
+    assert sorted(sum(batches[1:], [])) == sorted(job_ids[1:])
     assert max(len(batch) for batch in batches) > 1, batches
-    # The pod took every task as it reported the one before.
+    # The pod accepted each task once: as it reported the task before (always so for the
+    # second and later tasks of a batch) or, if it was idle then, by its warm-pod.json.
     reports = [json.loads((jobs / job_id / "final-state.json").read_text()) for job_id in job_ids]
-    assert sorted(filter(None, (r["next_job"] for r in reports))) == sorted(job_ids[1:])
-    assert not list(jobs.glob(f"*/{layout.WARM_POD_JSON}"))
+    named = {r["next_job"] for r in reports} - {None}
+    answered = {p.parent.name for p in jobs.glob(f"*/{layout.WARM_POD_JSON}")}
+    assert sorted(named | answered) == sorted(job_ids)
+    assert not named & answered
+    assert {job_id for batch in batches for job_id in batch[1:]} <= named
 
 
 def test_a_task_queued_on_a_pod_that_dies_before_taking_it_runs_on_a_fresh_pod_as_attempt_one(
