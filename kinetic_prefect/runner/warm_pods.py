@@ -21,10 +21,11 @@ A queued task waits for its pod's tasks before it, even if another pod frees up 
 The runner learns that a task ended from its final record in its own
 `kinetic/{job_id}/` dir, or from the pod's exit. On a bucket it reads the record once
 the Prefect API shows the task run's state final: one request asks about every busy
-pod's task run, at a pace that slows as tasks go on. A record is also read every
-`DIRECT_LOOK_SECONDS` without that (a task can end without a final state: the pod
-failed before the engine ran), and for every busy pod while the API has not answered
-within `API_WAIT_SECONDS`. On a local jobs dir each look reads the records.
+pod's task run, at a pace that slows as tasks go on. A record is also read without
+that, every `DIRECT_LOOK_SECONDS` at first and less often as a task goes on (a task
+can end without a final state: the pod failed before the engine ran; such a pod also
+exits), and for every busy pod while the API has not answered within
+`API_WAIT_SECONDS`. On a local jobs dir each look reads the records.
 A pod that exits with a task it never accepted (it idled out just as the task
 was handed to it, or died with a task queued) gives the task back: it is placed
 again, on a fresh pod if need be, without touching the retry budget. Any other
@@ -87,7 +88,10 @@ _PER_TASK_ENV = (ATTEMPT_ENV,)
 RAMP = 4
 # How often a busy pod's final record is read although the Prefect API shows its task run
 # still going: a task that ended without a final Prefect state (a phase failure in the pod).
+# Every DIRECT_LOOK_SECONDS at first; a DIRECT_LOOK_SECONDS more apart for each minute the
+# task has run, up to MAX_DIRECT_LOOK_SECONDS (the pod's exit tells of such an end too).
 DIRECT_LOOK_SECONDS = 10.0
+MAX_DIRECT_LOOK_SECONDS = 60.0
 # How long the poller waits for the API's answer before it reads the final records itself.
 API_WAIT_SECONDS = 2.0
 
@@ -189,6 +193,11 @@ class WarmPod:
     busy_since: float = 0.0
     next_check: float = 0.0
     next_look: float = 0.0  # when to read the final record even if the API says nothing
+
+    def direct_look_interval(self, now: float) -> float:
+        """How soon to read the running task's final record regardless of the API."""
+        ran = max(now - self.busy_since, 0.0)
+        return min(DIRECT_LOOK_SECONDS * (1 + ran / 60), MAX_DIRECT_LOOK_SECONDS)
 
     def check_interval(self, now: float) -> float:
         """How soon to look for the running task's end again: promptly at first, then
@@ -814,7 +823,7 @@ class WarmPods:
                     or past_deadline  # a last look before the deadline ends the pod
                 )
                 if look:
-                    pod.next_look = now + DIRECT_LOOK_SECONDS
+                    pod.next_look = now + pod.direct_look_interval(now)
                 pod.next_check = min(now + pod.check_interval(now), pod.next_look)
                 if not look:
                     continue
