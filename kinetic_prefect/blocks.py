@@ -235,6 +235,11 @@ class KineticCluster(Block):
         "priorityClassName, imagePullSecrets, volumes, a reservation's nodeSelector "
         "(docs/kubernetes.md has the merge rule).",
     )
+    intervals: dict[str, float] | None = Field(
+        default=None,
+        description="Intervals to change from their defaults, in seconds, e.g. "
+        '{"settle_margin_seconds": 10} (docs/intervals.md lists them).',
+    )
     env: dict[str, str] = Field(
         default_factory=dict,
         description="Environment variables for every pod launched with this cluster; a "
@@ -286,6 +291,7 @@ def cluster_settings(cluster: KineticCluster) -> dict[str, Any]:
         "cpu": cluster.cpu,
         "memory": cluster.memory,
         "pod_overrides": cluster.pod_overrides,
+        "intervals": cluster.intervals,
         "env": dict(cluster.env),
         "gcp_credentials": cluster.gcp_credentials,
     }

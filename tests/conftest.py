@@ -4,10 +4,23 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_TO_API_BATCH_INTERVAL", "0.3")
+# The suite's intervals (docs/intervals.md's last column): this process, the flow processes
+# and workers it starts, and through their manifests every pod, wait this long.
+SUITE_INTERVALS = {
+    "settle_margin_seconds": 10,
+    "pod_gone_settle_seconds": 2,
+    "events_probe_seconds": 3,
+    "events_probe_interval_seconds": 5,
+    "queue_poll_seconds": 2,
+    "flow_run_look_seconds": 3,
+    "watchdog_look_seconds": 3,
+}
+os.environ["KINETIC_INTERVALS"] = json.dumps(SUITE_INTERVALS)
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -92,7 +105,7 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Run in a fresh directory so `.kinetic/` artifacts and outputs stay per test."""
     monkeypatch.chdir(tmp_path)
     for name in list(os.environ):
-        if name.startswith("KINETIC_"):
+        if name.startswith("KINETIC_") and name != "KINETIC_INTERVALS":
             monkeypatch.delenv(name)
     return tmp_path
 

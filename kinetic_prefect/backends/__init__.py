@@ -36,6 +36,7 @@ def create_backend(settings: LaunchSettings, jobs_root: str, cluster: Any = None
             cancel_grace_seconds=settings.cancel_grace_seconds,
             kube_context=settings.kube_context,
             credentials_denied_timeout_seconds=settings.credentials_denied_timeout_seconds,
+            intervals=settings.intervals,
         )
     from kinetic_prefect.errors import ConfigurationError
 

@@ -30,8 +30,6 @@ from kinetic_prefect.launch.settings import LaunchSettings
 
 logger = get_logger("kinetic_prefect.backends.environments")
 
-# How long a builder Job may take, pending included (a cold build of a TPU stack).
-BUILD_TIMEOUT_SECONDS = 3600.0
 UV_VERSION_ENV = "KINETIC_UV_VERSION"
 # This process's environments: a sweep plans and checks each one once.
 ENVIRONMENTS = Environments()
@@ -63,6 +61,7 @@ def cluster_builder(settings: LaunchSettings, backend: Backend) -> ClusterBuilde
             output_dir="",
             env=env,
             ttl_seconds_after_finished=settings.ttl_seconds_after_finished,
+            intervals=settings.intervals,
             service_account=settings.service_account,
             command=tuple(builder_command(spec_uri, destination)),
             # The task's tolerations, pull secrets, ... apply to its builder too; its cpu
@@ -76,11 +75,11 @@ def cluster_builder(settings: LaunchSettings, backend: Backend) -> ClusterBuilde
             job_id,
         )
         started = time.monotonic()
-        result = run_to_end(backend, build_job_manifest(spec), BUILD_TIMEOUT_SECONDS)
+        # Pending included: a cold build of a TPU stack takes a while.
+        timeout = settings.intervals.build_timeout_seconds
+        result = run_to_end(backend, build_job_manifest(spec), timeout)
         if result is None:
-            raise EnvironmentBuildError(
-                f"Builder Job {job_id} did not finish in {BUILD_TIMEOUT_SECONDS:g}s."
-            )
+            raise EnvironmentBuildError(f"Builder Job {job_id} did not finish in {timeout:g}s.")
         if result.exit_code != 0:
             tail = result.log_tail or backend.logs(job_id, tail=40)
             raise EnvironmentBuildError(

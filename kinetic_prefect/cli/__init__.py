@@ -359,11 +359,7 @@ def jobs_cleanup(
 
     from kinetic_prefect.backends.gke.client import delete_job, delete_secret
     from kinetic_prefect.backends.gke.jobs import list_kinetic_jobs
-    from kinetic_prefect.backends.gke.secrets import (
-        ORPHAN_GRACE_SECONDS,
-        list_kinetic_secrets,
-        orphaned_secrets,
-    )
+    from kinetic_prefect.backends.gke.secrets import list_kinetic_secrets, orphaned_secrets
     from kinetic_prefect.cli.jobs_store import cleanup_jobs
 
     block, settings = _gke_target("cleanup", cluster, namespace)
@@ -383,7 +379,9 @@ def jobs_cleanup(
             await list_kinetic_secrets(access, settings.namespace),
             {j.uid for j in remaining},
             {name for j in remaining for name in j.secrets},
-            now - datetime.timedelta(seconds=ORPHAN_GRACE_SECONDS),
+            # A flow process creates its Secret just before its first Job and makes that
+            # Job its owner right after: an unowned Secret younger than this is left alone.
+            now - datetime.timedelta(seconds=settings.intervals.secret_orphan_grace_seconds),
         )
         if not dry_run:
             core = client.CoreV1Api(access.client)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -314,9 +315,6 @@ async def _node_pool_check(access: Any, name: str, list_nodes: Any) -> Check:
     return Check("Node pools", "ok", f"{accelerator.name}: {detail}")
 
 
-# The doctor's pod: how long it may take, pending included, and how long Kubernetes keeps it.
-POD_CHECK_TIMEOUT_SECONDS = 300
-POD_CHECK_TTL_SECONDS = 600
 LABEL_DOCTOR = "kinetic-prefect.io/doctor"
 POD_CHECK = "Task pods' bucket access"
 
@@ -351,9 +349,11 @@ def pods_bucket_check(cluster: Any, settings: Any) -> Check:
     except (ConfigurationError, ValueError) as exc:
         return Check(POD_CHECK, "warn", f"not run: no jobs bucket to ask about ({exc})")
     account = settings.service_account or "default"
+    # The doctor's pod: how long it may take, pending included, and how long it is kept.
+    timeout = settings.intervals.doctor_pod_timeout_seconds
     try:
         backend = create_backend(
-            dataclasses.replace(settings, pending_timeout_seconds=POD_CHECK_TIMEOUT_SECONDS),
+            dataclasses.replace(settings, pending_timeout_seconds=timeout),
             settings.resolved_jobs_root(),
             cluster,
         )
@@ -370,8 +370,9 @@ def pods_bucket_check(cluster: Any, settings: Any) -> Check:
         namespace=settings.namespace,
         output_dir="",
         env=plain_env,
-        timeout_seconds=POD_CHECK_TIMEOUT_SECONDS,
-        ttl_seconds_after_finished=POD_CHECK_TTL_SECONDS,
+        timeout_seconds=math.ceil(timeout),
+        ttl_seconds_after_finished=math.ceil(settings.intervals.doctor_pod_ttl_seconds),
+        intervals=settings.intervals,
         service_account=settings.service_account,
         command=tuple(test_iam_command(wanted)),
         extra_labels={LABEL_DOCTOR: "bucket-access"},
@@ -383,12 +384,10 @@ def pods_bucket_check(cluster: Any, settings: Any) -> Check:
         outcome = run_to_end(
             backend,
             build_job_manifest(spec),
-            POD_CHECK_TIMEOUT_SECONDS + settings.cancel_grace_seconds,
+            timeout + settings.cancel_grace_seconds,
         )
         if outcome is None:
-            return Check(
-                POD_CHECK, "fail", f"{pod} did not end in {POD_CHECK_TIMEOUT_SECONDS}s{skip}"
-            )
+            return Check(POD_CHECK, "fail", f"{pod} did not end in {timeout:g}s{skip}")
         log = backend.logs(spec.job_id)
     except Exception as exc:
         return Check(POD_CHECK, "fail", f"{pod} could not run: {exc}{skip}")

@@ -11,6 +11,7 @@ state in the Prefect API says when it is over.
 from __future__ import annotations
 
 import asyncio
+import os
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -18,12 +19,15 @@ from typing import Any, Protocol
 
 from kinetic_prefect.backends.local.pods import pods_labelled, read_pod
 from kinetic_prefect.common import layout
+from kinetic_prefect.common.intervals import Intervals
 from kinetic_prefect.common.storage import JobsStore
 from kinetic_prefect.errors import ConfigurationError
 from kinetic_prefect.launch.manifest import LABEL_TASK_RUN_ID
 
-# How often a follower looks again at a log, a pod or a task run that has not changed.
-POLL_SECONDS = 0.5
+
+def _poll_seconds() -> float:
+    """How often a follower looks again at a log, a pod or a task run that has not changed."""
+    return Intervals.from_environ(os.environ).logs_poll_seconds
 
 
 class JobSource(Protocol):
@@ -92,7 +96,7 @@ class LocalJobs:
                         yield pending.decode(errors="replace")
                     return
                 if not lines:
-                    await asyncio.sleep(POLL_SECONDS)
+                    await asyncio.sleep(_poll_seconds())
 
 
 class ClusterJobs:
@@ -236,7 +240,7 @@ async def wait_until_started(source: JobSource, job_id: str) -> None:
             )
         if started:
             return
-        await asyncio.sleep(POLL_SECONDS)
+        await asyncio.sleep(_poll_seconds())
 
 
 async def attach(
@@ -275,4 +279,4 @@ async def attach(
                 continue  # look at the state again now that the pod has ended
             if state is not None and state.is_final():
                 return state
-            await asyncio.sleep(POLL_SECONDS)
+            await asyncio.sleep(_poll_seconds())

@@ -6,8 +6,6 @@ tests of either side use the same constants.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 # -- the task run and its attempt -------------------------------------------------
 JOB_ID_ENV = "KINETIC_JOB_ID"
 TASK_RUN_ID_ENV = "KINETIC_TASK_RUN_ID"
@@ -34,20 +32,8 @@ LEASE_URI_ENV = "KINETIC_LEASE_URI"
 # When the runner renewed the lease last before launching the pod: no older lease counts.
 LEASE_SINCE_ENV = "KINETIC_LEASE_SINCE"
 ORPHAN_TIMEOUT_ENV = "KINETIC_ORPHAN_TIMEOUT_SECONDS"
-# Between the SIGTERM that ends a pod and the SIGKILL after it.
-TERMINATION_GRACE_ENV = "KINETIC_TERMINATION_GRACE_SECONDS"
-# A Spot or preemptible node gets a 30 s notice; GKE's graceful node shutdown gives
-# non-system pods the first 15 s of it, best effort
-# (https://cloud.google.com/kubernetes-engine/docs/concepts/spot-vms#termination-graceful-shutdown).
-# Pods get that much (terminationGracePeriodSeconds); the emergency checkpoint and the
-# watchdog's SIGKILL come 5 s before it ends, leaving time to write the final state.
-POD_TERMINATION_GRACE_SECONDS = 15
-EMERGENCY_WINDOW_SECONDS = 10
-
-
-def emergency_window_seconds(environ: Mapping[str, str]) -> float:
-    """The pod's window between a SIGTERM and its own SIGKILL (`TERMINATION_GRACE_ENV`)."""
-    return float(environ.get(TERMINATION_GRACE_ENV) or EMERGENCY_WINDOW_SECONDS)
+# The intervals the pod waits on (`kinetic_prefect.common.intervals`), when not the defaults.
+INTERVALS_ENV = "KINETIC_INTERVALS"
 
 
 # -- data --------------------------------------------------------------------------

@@ -6,6 +6,7 @@ Kubernetes backend sends the same dict to the API server.
 
 from __future__ import annotations
 
+import math
 import re
 import secrets
 from collections.abc import Mapping
@@ -13,15 +14,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kinetic_prefect.common.env import (
-    EMERGENCY_WINDOW_SECONDS,
     ENV_CACHE_ENV,
     JOB_ID_ENV,
     OUTPUT_DIR_ENV,
     POD_ACCELERATOR_ENV,
-    POD_TERMINATION_GRACE_SECONDS,
-    TERMINATION_GRACE_ENV,
 )
 from kinetic_prefect.common.gcs import NO_BUCKET_METADATA_ENV
+from kinetic_prefect.common.intervals import Intervals
 from kinetic_prefect.errors import ConfigurationError
 from kinetic_prefect.launch.accelerators import Accelerator, machine_type
 from kinetic_prefect.launch.environment import ShippedEnvironment, bootstrap_command
@@ -127,6 +126,7 @@ class LaunchSpec:
     timeout_seconds: int | None = None
     ttl_seconds_after_finished: int = 3600
     service_account: str | None = None
+    intervals: Intervals = field(default_factory=Intervals)
     # Only a flow-run pod talks to the Kubernetes API (to launch its task pods);
     # task pods never get a service-account token.
     automount_service_account_token: bool = False
@@ -180,7 +180,8 @@ def _env_list(spec: LaunchSpec) -> list[dict[str, Any]]:
         # The pod's own accelerator, for the task to read; deliberately not the
         # KINETIC_ACCELERATOR setting, so runners inside the pod do not inherit it.
         POD_ACCELERATOR_ENV: spec.accelerator.name,
-        TERMINATION_GRACE_ENV: str(EMERGENCY_WINDOW_SECONDS),
+        # The pod waits on the same intervals as its runner.
+        **spec.intervals.to_env(),
     }
     secret_names = {ref.env_name for ref in spec.secret_env}
     env: list[dict[str, Any]] = [
@@ -275,8 +276,8 @@ def base_job_manifest(spec: LaunchSpec) -> dict[str, Any]:
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "containers": [container],
-        # Within the share of a Spot VM's notice GKE gives pods (common/env.py).
-        "terminationGracePeriodSeconds": POD_TERMINATION_GRACE_SECONDS,
+        # Within the share of a Spot VM's notice GKE gives pods (common/intervals.py).
+        "terminationGracePeriodSeconds": math.ceil(spec.intervals.termination_grace_seconds),
     }
     if accelerator.node_selector:
         pod_spec["nodeSelector"] = dict(accelerator.node_selector)

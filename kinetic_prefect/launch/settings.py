@@ -20,6 +20,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from kinetic_prefect.common.intervals import Intervals, parse_intervals_env
 from kinetic_prefect.errors import ConfigurationError
 from kinetic_prefect.launch.accelerators import parse_quantity
 from kinetic_prefect.launch.pod_overrides import check_pod_overrides
@@ -101,6 +102,9 @@ class LaunchSettings:
     # Whom this process acts as on GCS (the jobs store, result reads): a prefect-gcp
     # `GcpCredentials` block; None: Application Default Credentials. Never sent to pods.
     gcp_credentials: Any = None
+    # Every interval the runner, its backend and its pods wait on (docs/intervals.md); pods
+    # get the changed ones through their manifest.
+    intervals: Intervals = field(default_factory=Intervals)
 
     def resolved_jobs_root(self) -> str:
         """Where `kinetic/{job_id}/…` artifacts live: a `gs://bucket[/prefix]` or a local dir."""
@@ -173,6 +177,8 @@ _ENV_PARSERS: dict[str, Any] = {
     "memory": str,
     # A JSON object.
     "pod_overrides": json.loads,
+    # A JSON object of the intervals to change (`kinetic_prefect.common.intervals`).
+    "intervals": parse_intervals_env,
 }
 # The saved `KineticCluster` a runner without `cluster=` uses (`KINETIC_CLUSTER=gke`).
 CLUSTER_ENV = "KINETIC_CLUSTER"
@@ -280,6 +286,7 @@ def resolve_settings(
     merged: dict[str, Any] = {}
     env: dict[str, str | SecretValue] = {}
     pod_overrides: dict[str, Any] = {}
+    intervals: dict[str, Any] = {}
     for layer in layers:
         _check_names(layer, "settings")
         for key, value in layer.items():
@@ -289,10 +296,13 @@ def resolve_settings(
                 env.update({str(k): env_value(str(k), v) for k, v in dict(value).items()})
             elif key == "pod_overrides":
                 pod_overrides.update(check_pod_overrides(value))
+            elif key == "intervals":
+                intervals.update(value.changed() if isinstance(value, Intervals) else dict(value))
             else:
                 merged[key] = value
     merged["env"] = env
     merged["pod_overrides"] = pod_overrides
+    merged["intervals"] = Intervals.of(intervals)
     for key in ("cpu", "memory"):
         if isinstance(merged.get(key), int | float) and not isinstance(merged[key], bool):
             merged[key] = f"{merged[key]:g}"

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kinetic_prefect.common.env import OUTPUT_DIR_ENV, emergency_window_seconds
+from kinetic_prefect.common.env import OUTPUT_DIR_ENV
+from kinetic_prefect.common.intervals import Intervals
 from kinetic_prefect.errors import CheckpointError
 
 LOCAL_FALLBACK_ROOT = Path(".kinetic") / "outputs" / "local"
@@ -114,7 +115,7 @@ def _leave_as_preempted() -> None:
 
 def _save_then_leave_on_sigterm(manager: Any) -> None:
     requested = threading.Event()
-    grace = emergency_window_seconds(os.environ)
+    grace = Intervals.from_environ(os.environ).emergency_window_seconds
 
     def on_sigterm(signum: int, frame: Any) -> None:
         requested.set()

@@ -5,6 +5,9 @@
 
 from __future__ import annotations
 
+import os
+
+from kinetic_prefect.common.intervals import Intervals
 from kinetic_prefect.pod import prefect_process
 from kinetic_prefect.pod import slice as slice_host
 from kinetic_prefect.pod.exit import flush_and_exit
@@ -16,7 +19,7 @@ from kinetic_prefect.pod.watchdog import start_watchdog
 def main(argv: list[str] | None = None) -> int:
     startup = process_age()
     run = parse_args(argv)
-    start_watchdog()
+    start_watchdog(Intervals.from_environ(os.environ).watchdog_look_seconds)
     if startup is not None:
         run.timings["startup"] = startup
     index, hosts = slice_host.slice_position()
@@ -37,6 +40,7 @@ def leave_slice(code: int) -> None:
     collective and never get there. The task's logs and events are sent first,
     as Prefect's own exit handlers would.
     """
-    if not prefect_process.send_logs_and_events(prefect_process.TELEMETRY_SECONDS):
-        log(f"some logs or events did not reach the API in {prefect_process.TELEMETRY_SECONDS:g}s")
+    telemetry_seconds = Intervals.from_environ(os.environ).telemetry_seconds
+    if not prefect_process.send_logs_and_events(telemetry_seconds):
+        log(f"some logs or events did not reach the API in {telemetry_seconds:g}s")
     flush_and_exit(code)

@@ -17,9 +17,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-# How long a warm pod waits for a task's logs and events to reach the API.
-TELEMETRY_SECONDS = 30.0
-
 
 def send_logs_and_events(timeout: float) -> bool:
     """Send the log lines and events this process has queued for the API; True if all went.
@@ -58,9 +55,9 @@ def reload_prefect_settings() -> None:
     setup_logging(incremental=False)
 
 
-def send_telemetry() -> bool:
+def send_telemetry(timeout: float) -> bool:
     """Before a warm pod reports a task's end: its logs and events, sent (the pod will not exit)."""
-    return send_logs_and_events(TELEMETRY_SECONDS)
+    return send_logs_and_events(timeout)
 
 
 def shippable_state(state: Any, task: Any) -> Any:

@@ -33,6 +33,7 @@ from kinetic_prefect.common.env import (
     SECRET_SETTING_PATHS_ENV,
     SIGNING_KEY_ENV,
 )
+from kinetic_prefect.common.intervals import Intervals
 from kinetic_prefect.common.records import (
     FINAL_STATE_JSON,
     STATUS_ALREADY_FINAL,
@@ -484,11 +485,11 @@ def run_task(run: PodRun, index: int, hosts: int) -> tuple[int, Any]:
         if index > 0:
             return run_other_host(run, index), None
         state = execute(run, hosts)
-        if run.send_telemetry_before_report and not prefect_process.send_telemetry():
-            log(
-                "some logs or events did not reach the API in "
-                f"{prefect_process.TELEMETRY_SECONDS:g}s"
-            )
+        telemetry_seconds = Intervals.from_environ(os.environ).telemetry_seconds
+        if run.send_telemetry_before_report and not prefect_process.send_telemetry(
+            telemetry_seconds
+        ):
+            log(f"some logs or events did not reach the API in {telemetry_seconds:g}s")
         code = report(run, state)
         log(f"finished: {state.type.value} ({run.timings})")
         return code, state

@@ -37,21 +37,25 @@ from kinetic_prefect.common.handover import (
     batch_from_json,
     poll_seconds,
 )
+from kinetic_prefect.common.intervals import Intervals
 from kinetic_prefect.common.layout import WARM_POD_JSON
 from kinetic_prefect.pod.runner import EXIT_COMPLETED, EXIT_PHASE_FAILED, PodRun, log, run_task
 
 # An idle pod's looks for its next task: every `poll_seconds` at first, then less often,
-# one more `poll_seconds` apart for each IDLE_SLOWDOWN_SECONDS idle, to MAX_SLOWDOWN times.
-IDLE_SLOWDOWN_SECONDS = 5.0
+# one more `poll_seconds` apart for each `warm_idle_slowdown_seconds` idle, to MAX_SLOWDOWN
+# times.
 MAX_SLOWDOWN = 10
 
 
 class WarmLoop:
     """The pod's side of the hand-over; None from `from_environ` when the pod is cold."""
 
-    def __init__(self, warm_dir: str, idle_seconds: float) -> None:
+    def __init__(
+        self, warm_dir: str, idle_seconds: float, slowdown_seconds: float | None = None
+    ) -> None:
         self.warm_dir = warm_dir.rstrip("/")
         self.idle_seconds = idle_seconds
+        self.slowdown_seconds = slowdown_seconds or Intervals().warm_idle_slowdown_seconds
         self.sequence = 0
         self.base_env = dict(os.environ)
         self.base_cwd = os.getcwd()
@@ -69,7 +73,11 @@ class WarmLoop:
         warm_dir = os.environ.get(WARM_DIR_ENV)
         if not warm_dir or hosts > 1:
             return None
-        return cls(warm_dir, float(os.environ.get(WARM_IDLE_ENV) or "60"))
+        return cls(
+            warm_dir,
+            float(os.environ.get(WARM_IDLE_ENV) or "60"),
+            Intervals.from_environ(os.environ).warm_idle_slowdown_seconds,
+        )
 
     def _read(self, name: str) -> bytes | None:
         """The warm dir's `name`, or None while it is not there (one request either way)."""
@@ -132,7 +140,7 @@ class WarmLoop:
             now = time.monotonic()
             if now >= deadline:
                 return None
-            interval = base * min(1 + (now - started) / IDLE_SLOWDOWN_SECONDS, MAX_SLOWDOWN)
+            interval = base * min(1 + (now - started) / self.slowdown_seconds, MAX_SLOWDOWN)
             time.sleep(min(interval, deadline - now))
         return data
 

@@ -25,12 +25,9 @@ from kinetic_prefect.common.env import (
     LEASE_URI_ENV,
     ORPHAN_TIMEOUT_ENV,
     SIGNING_KEY_ENV,
-    emergency_window_seconds,
 )
+from kinetic_prefect.common.intervals import Intervals
 from kinetic_prefect.common.lease import LeaseWatch
-
-# The most time between two looks at the lease.
-LOOK_SECONDS = 15.0
 
 
 def _read_lease(uri: str) -> bytes | None:
@@ -60,15 +57,18 @@ def orphan_reason(watch: LeaseWatch, lease_uri: str, timeout: float) -> str | No
 def _end_pod(reason: str) -> None:
     sys.stderr.write(f"kinetic-prefect pod: ending, nobody owns this pod: {reason}\n")
     sys.stderr.flush()
-    grace = emergency_window_seconds(os.environ)
+    grace = Intervals.from_environ(os.environ).emergency_window_seconds
     killer = threading.Timer(grace, os.kill, args=(os.getpid(), signal.SIGKILL))
     killer.daemon = True
     killer.start()
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def start_watchdog() -> None:
-    """Watch for orphaning in the background (no-op when the runner gave no lease)."""
+def start_watchdog(look_seconds: float) -> None:
+    """Watch for orphaning in the background (no-op when the runner gave no lease).
+
+    `look_seconds` is the most time between two looks at the lease.
+    """
     lease_uri = os.environ.get(LEASE_URI_ENV)
     if not lease_uri:
         return
@@ -79,7 +79,7 @@ def start_watchdog() -> None:
         os.environ.get(FLOW_RUN_ID_ENV) or "no-flow-run",
         since,
     )
-    every = min(max(timeout / 4, 0.5), LOOK_SECONDS)
+    every = min(max(timeout / 4, 0.5), look_seconds)
 
     def run() -> None:
         while True:

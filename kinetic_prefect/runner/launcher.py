@@ -205,6 +205,7 @@ class Launcher:
             secret_env=secrets.refs(),
             timeout_seconds=settings.timeout_seconds,
             ttl_seconds_after_finished=settings.ttl_seconds_after_finished,
+            intervals=settings.intervals,
             service_account=settings.service_account,
             data_volumes=launch.data_volumes,
             extra_labels=identity_labels(launch),

@@ -11,7 +11,8 @@ lost), and the pod ends itself instead of writing checkpoints nobody will collec
 
 The lease also tells pods that their flow run is over, so they never ask the
 Prefect API themselves: the runner looks at its flow run's state (one request
-per flow process every `min(timeout / 4, 15)` seconds, however many pods it has)
+per flow process every `min(timeout / 4, flow_run_look_seconds)` seconds, however many
+pods it has)
 and, once the flow run is cancelling or final, marks the lease `ending`; it marks
 it `ending` too when it closes. Every pod that reads the marked lease ends.
 """
@@ -25,6 +26,7 @@ import time
 
 from prefect.logging import get_logger
 
+from kinetic_prefect.common.intervals import Intervals
 from kinetic_prefect.common.lease import LeaseRecord
 from kinetic_prefect.common.storage import JobsStore
 
@@ -32,8 +34,6 @@ logger = get_logger("kinetic_prefect.runner.lease")
 
 ENDING_CANCELLED = "cancelled"
 ENDING_ENDED = "ended"
-# The most time between a cancel in the UI and the runner marking the lease.
-FLOW_RUN_LOOK_SECONDS = 15.0
 
 
 def flow_run_ending(flow_run_id: str) -> str | None:
@@ -63,6 +63,7 @@ class Lease:
         flow_run_id: str | None,
         signing_key: str,
         timeout_seconds: float,
+        look_seconds: float = Intervals.flow_run_look_seconds,
     ) -> None:
         self.store = store
         self.key = key
@@ -70,7 +71,8 @@ class Lease:
         self._flow_run_id = flow_run_id
         self._signing_key = signing_key
         self._renew_every = max(timeout_seconds / 4, 0.5)
-        self._look_every = min(self._renew_every, FLOW_RUN_LOOK_SECONDS)
+        # The most time between a cancel in the UI and the runner marking the lease.
+        self._look_every = min(self._renew_every, look_seconds)
         self._writer = secrets.token_hex(8)
         self._sequence = 0
         self._ending: str | None = None

@@ -78,11 +78,11 @@ class Reattacher:
         self._found: dict[tuple[int, str, str], dict[str, list[FoundPod]]] = {}
 
     def earlier_pods(
-        self, backend: Backend, flow_run_id: str, namespace: str, grace: float
+        self, backend: Backend, flow_run_id: str, namespace: str, stop_within: float
     ) -> dict[str, list[FoundPod]]:
         """The flow run's pods launched by other processes, by task identity (asked for once).
 
-        Live warm pods among them are stopped, and waited for, first.
+        Live warm pods among them are stopped, and waited for (`stop_within` seconds), first.
         """
         key = (id(backend), flow_run_id, namespace)
         with self._lock:  # concurrent submissions wait for the one request
@@ -91,7 +91,7 @@ class Reattacher:
                 pods = backend.find_pods(flow_run_id, namespace)
                 warm = [pod for pod in pods if pod.warm and pod.live]
                 if warm:
-                    _stop_and_wait(backend, namespace, warm, grace)
+                    _stop_and_wait(backend, namespace, warm, stop_within)
                 found = {}
                 for pod in pods:
                     if pod.identity:
@@ -112,7 +112,8 @@ class Reattacher:
             backend,
             str(launch.task_run.flow_run_id),
             settings.namespace,
-            settings.cancel_grace_seconds,
+            # The pods' grace, and how long deleting a Job and seeing its pod end may take.
+            settings.cancel_grace_seconds + settings.intervals.reattach_stop_slack_seconds,
         )
         pods = earlier.get(labels[LABEL_TASK_IDENTITY], [])
         if not pods:
@@ -185,10 +186,6 @@ class Reattacher:
         return read_attempt_end(store, outcome.job_id, outcome, key)
 
 
-# Beyond the pods' grace: how long deleting a Job and seeing its pod end may take.
-_STOP_SLACK_SECONDS = 60.0
-
-
 def _setter(event: threading.Event) -> Callable[[PodExit], None]:
     def on_exit(outcome: PodExit) -> None:
         event.set()
@@ -196,7 +193,7 @@ def _setter(event: threading.Event) -> Callable[[PodExit], None]:
     return on_exit
 
 
-def _stop_and_wait(backend: Backend, namespace: str, pods: list[FoundPod], grace: float) -> None:
+def _stop_and_wait(backend: Backend, namespace: str, pods: list[FoundPod], within: float) -> None:
     """End warm pods of an earlier process and return once every one has ended."""
     ended = {pod.job_id: threading.Event() for pod in pods}
     for pod in pods:
@@ -207,11 +204,11 @@ def _stop_and_wait(backend: Backend, namespace: str, pods: list[FoundPod], grace
         )
         backend.adopt(pod.job_id, namespace, on_exit=_setter(ended[pod.job_id]))
         backend.cancel(pod.job_id)
-    deadline = time.monotonic() + grace + _STOP_SLACK_SECONDS
+    deadline = time.monotonic() + within
     for job_id, event in ended.items():
         if not event.wait(max(0.0, deadline - time.monotonic())):
             raise RuntimeError(
                 f"The warm pod {job_id} of an earlier flow process did not end within "
-                f"{grace + _STOP_SLACK_SECONDS:.0f}s of being stopped; delete it "
+                f"{within:.0f}s of being stopped; delete it "
                 f"(`kinetic-prefect jobs cancel {job_id}`) and retry the flow run."
             )

@@ -104,7 +104,14 @@ class RunnerResources:
             lease = self._leases.get((store.uri(""), flow_run_id))
             if lease is None:
                 owner = str(launch.task_run.flow_run_id) if launch.task_run.flow_run_id else None
-                lease = Lease(store, lease_key(flow_run_id), owner, signing_key, timeout)
+                lease = Lease(
+                    store,
+                    lease_key(flow_run_id),
+                    owner,
+                    signing_key,
+                    timeout,
+                    look_seconds=launch.settings.intervals.flow_run_look_seconds,
+                )
                 self._leases[(store.uri(""), flow_run_id)] = lease
         env = {
             LEASE_URI_ENV: lease.uri,

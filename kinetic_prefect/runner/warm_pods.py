@@ -22,10 +22,10 @@ The runner learns that a task ended from its final record in its own
 `kinetic/{job_id}/` dir, or from the pod's exit. On a bucket it reads the record once
 the Prefect API shows the task run's state final: one request asks about every busy
 pod's task run, at a pace that slows as tasks go on. A record is also read without
-that, every `DIRECT_LOOK_SECONDS` at first and less often as a task goes on (a task
+that, every `warm_direct_look_seconds` at first and less often as a task goes on (a task
 can end without a final state: the pod failed before the engine ran; such a pod also
 exits), and for every busy pod while the API has not answered within
-`API_WAIT_SECONDS`. On a local jobs dir each look reads the records.
+`warm_api_wait_seconds` (docs/intervals.md). On a local jobs dir each look reads the records.
 A pod that exits with a task it never accepted (it idled out just as the task
 was handed to it, or died with a task queued) gives the task back: it is placed
 again, on a fresh pod if need be, without touching the retry budget. Any other
@@ -61,6 +61,7 @@ from kinetic_prefect.backends.base import WAITING_FOR_CAPACITY, Backend, PodExit
 from kinetic_prefect.common import handover as warm
 from kinetic_prefect.common import layout
 from kinetic_prefect.common.env import ATTEMPT_ENV, TASK_RUN_ID_ENV, WARM_DIR_ENV, WARM_IDLE_ENV
+from kinetic_prefect.common.intervals import Intervals
 from kinetic_prefect.common.layout import WARM_POD_JSON
 from kinetic_prefect.common.records import FINAL_STATE_JSON, STATUS_PHASE_FAILED, FinalRecord
 from kinetic_prefect.common.storage import JobsStore
@@ -86,14 +87,6 @@ logger = get_logger("kinetic_prefect.runner.warm_pods")
 _PER_TASK_ENV = (ATTEMPT_ENV,)
 # Pods of a spec that may be starting (no task ended yet) however few pods have run one.
 RAMP = 4
-# How often a busy pod's final record is read although the Prefect API shows its task run
-# still going: a task that ended without a final Prefect state (a phase failure in the pod).
-# Every DIRECT_LOOK_SECONDS at first; a DIRECT_LOOK_SECONDS more apart for each minute the
-# task has run, up to MAX_DIRECT_LOOK_SECONDS (the pod's exit tells of such an end too).
-DIRECT_LOOK_SECONDS = 10.0
-MAX_DIRECT_LOOK_SECONDS = 60.0
-# How long the poller waits for the API's answer before it reads the final records itself.
-API_WAIT_SECONDS = 2.0
 
 OnEnd = Callable[["TaskLaunch", PodExit], None]
 OnPending = Callable[["TaskLaunch", str], None]
@@ -171,6 +164,7 @@ class WarmPod:
     backend: Backend
     store: JobsStore
     idle_seconds: float
+    intervals: Intervals = field(default_factory=Intervals)
     manifest: dict[str, Any] = field(default_factory=dict)
     placement: Placement | None = None  # the task it runs now
     # The tasks handed to it while busy, which it takes in turn once `placement` has ended.
@@ -195,9 +189,16 @@ class WarmPod:
     next_look: float = 0.0  # when to read the final record even if the API says nothing
 
     def direct_look_interval(self, now: float) -> float:
-        """How soon to read the running task's final record regardless of the API."""
+        """How soon to read the running task's final record regardless of the API: for
+        a task that ended without a final Prefect state (a phase failure in the pod).
+
+        Every `warm_direct_look_seconds` at first, that much more apart for each minute
+        the task has run, up to `warm_max_direct_look_seconds` (the pod's exit tells of
+        such an end too).
+        """
         ran = max(now - self.busy_since, 0.0)
-        return min(DIRECT_LOOK_SECONDS * (1 + ran / 60), MAX_DIRECT_LOOK_SECONDS)
+        first = self.intervals.warm_direct_look_seconds
+        return min(first * (1 + ran / 60), self.intervals.warm_max_direct_look_seconds)
 
     def check_interval(self, now: float) -> float:
         """How soon to look for the running task's end again: promptly at first, then
@@ -469,6 +470,7 @@ class WarmPods:
                     backend=placement.backend,
                     store=placement.store,
                     idle_seconds=placement.idle_seconds,
+                    intervals=placement.launch.settings.intervals,
                 )
                 self._pods.append(pod)
                 self._busy(pod, placement, now)
@@ -541,7 +543,7 @@ class WarmPods:
     def _busy(self, pod: WarmPod, placement: Placement, now: float) -> None:
         pod.placement = placement
         pod.busy_since = pod.next_check = now
-        pod.next_look = now + DIRECT_LOOK_SECONDS
+        pod.next_look = now + pod.intervals.warm_direct_look_seconds
         timeout = placement.spec.timeout_seconds
         pod.deadline = now + timeout if timeout else None
 
@@ -765,7 +767,7 @@ class WarmPods:
     def _ended_in_api(self, due: list[tuple[WarmPod, Placement]]) -> set[Any] | None:
         """Which due task runs' states are final in the Prefect API (one request for all of
         them); None when each due pod's final record is to be read instead: a local store
-        (a read costs nothing), or the API did not answer within `API_WAIT_SECONDS` (the
+        (a read costs nothing), or the API did not answer within `warm_api_wait_seconds` (the
         question stays asked; deadlines and other ends are not held up meanwhile)."""
         if not due or "://" not in due[0][0].store.uri(""):
             return None
@@ -785,7 +787,7 @@ class WarmPods:
         threading.Thread(target=ask, name="kinetic-warm-api", daemon=True).start()
         self._api_query = query
         try:
-            ended: set[Any] = query.result(timeout=API_WAIT_SECONDS)
+            ended: set[Any] = query.result(timeout=launch.settings.intervals.warm_api_wait_seconds)
         except Exception:
             logger.debug("Could not read the states of busy warm pods' tasks", exc_info=True)
             return None

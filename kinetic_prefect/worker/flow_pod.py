@@ -257,6 +257,7 @@ def plan_flow_pod(
         secret_env=secret_env,
         timeout_seconds=settings.timeout_seconds,
         ttl_seconds_after_finished=settings.ttl_seconds_after_finished,
+        intervals=settings.intervals,
         service_account=configuration.flow_service_account,
         automount_service_account_token=True,
         command=tuple(shlex.split(configuration.command or FLOW_RUN_COMMAND)),

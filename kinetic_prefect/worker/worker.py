@@ -76,9 +76,6 @@ if TYPE_CHECKING:
     from prefect.client.schemas.responses import DeploymentResponse
     from prefect.logging.loggers import PrefectLogAdapter
 
-# Time for a backend to report a cancelled pod's exit beyond Prefect's grace period.
-_EXIT_REPORT_MARGIN_SECONDS = 15.0
-
 _ACCELERATOR_HELP = (
     "Accelerator for the flow-run pod, e.g. cpu, l4x2, tpu-v5e-4 (`kinetic-prefect "
     "accelerators` lists them; add :spot for spot capacity). Default: the cluster's, else cpu."
@@ -204,6 +201,8 @@ class _FlowPod:
     loop: asyncio.AbstractEventLoop
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     deadline_seconds: int | None = None
+    # Time for the backend to report a cancelled pod's exit beyond Prefect's grace period.
+    exit_report_margin_seconds: float = 15.0
     outcome: PodExit | None = None
     cancelled_by_worker: bool = False
 
@@ -348,7 +347,7 @@ class KineticWorker(BaseWorker[KineticJobConfiguration, KineticVariables, Kineti
             )
         pod.cancelled_by_worker = True
         await anyio.to_thread.run_sync(pod.backend.cancel, pod.job_id)
-        with anyio.move_on_after(grace_seconds + _EXIT_REPORT_MARGIN_SECONDS):
+        with anyio.move_on_after(grace_seconds + pod.exit_report_margin_seconds):
             await pod.ended.wait()
 
     # -- launching (on a worker thread: settings, blocks and backends do blocking I/O) ----
@@ -388,6 +387,7 @@ class KineticWorker(BaseWorker[KineticJobConfiguration, KineticVariables, Kineti
             backend=backend,
             loop=loop,
             deadline_seconds=plan.spec.timeout_seconds,
+            exit_report_margin_seconds=settings.intervals.exit_report_margin_seconds,
         )
         with self._lock:
             self._pods[pod.job_id] = pod

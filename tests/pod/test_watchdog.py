@@ -28,8 +28,8 @@ from kinetic_prefect.common.env import (
     LEASE_URI_ENV,
     ORPHAN_TIMEOUT_ENV,
     SIGNING_KEY_ENV,
-    TERMINATION_GRACE_ENV,
 )
+from kinetic_prefect.common.intervals import Intervals
 from kinetic_prefect.common.lease import LeaseRecord
 from tests.support.waiting import wait_until
 
@@ -38,7 +38,9 @@ FLOW_RUN_ID = "0b1c7a52-51a4-4b35-9bd1-1d1e5f7e0e11"
 WATCHDOG = (
     "import threading\n"
     "from kinetic_prefect.pod.watchdog import start_watchdog\n"
-    "start_watchdog()\n"
+    "import os\n"
+    "from kinetic_prefect.common.intervals import Intervals\n"
+    "start_watchdog(Intervals.from_environ(os.environ).watchdog_look_seconds)\n"
     "threading.Event().wait()\n"
 )
 
@@ -94,7 +96,10 @@ def watchdog_pod(tmp_path: Path, timeout: float, **env: str) -> Iterator[Pod]:
             ORPHAN_TIMEOUT_ENV: str(timeout),
             SIGNING_KEY_ENV: KEY,
             FLOW_RUN_ID_ENV: FLOW_RUN_ID,
-            TERMINATION_GRACE_ENV: "5",
+            **Intervals.of(
+                Intervals.from_environ(os.environ),
+                {"emergency_window_seconds": 5},
+            ).to_env(),
             **env,
         },
         stderr=subprocess.PIPE,

@@ -7,9 +7,11 @@ import re
 
 import kubernetes_validate
 import pytest
+from prefect.settings import PREFECT_API_KEY, PREFECT_API_URL, temporary_settings
 
-from kinetic_prefect.common.env import emergency_window_seconds
+from kinetic_prefect.common.intervals import Intervals
 from kinetic_prefect.errors import ConfigurationError
+from kinetic_prefect.launch import prefect_context
 from kinetic_prefect.launch.accelerators import parse_accelerator
 from kinetic_prefect.launch.manifest import (
     LaunchSpec,
@@ -17,6 +19,7 @@ from kinetic_prefect.launch.manifest import (
     build_job_manifest,
     new_job_id,
 )
+from kinetic_prefect.launch.pod_secrets import PodSecrets
 
 SECRET = "pnu_test_key_0123456789"
 
@@ -77,13 +80,19 @@ def test_labels_identify_job_task_run_and_flow_run_but_never_prefects_own_flow_r
 
 
 def test_api_key_comes_from_a_secret_ref_and_is_never_a_literal():
-    manifest = build_job_manifest(_spec())
-    env = manifest["spec"]["template"]["spec"]["containers"][0]["env"]
+    settings = {PREFECT_API_URL: "https://prefect.example/api", PREFECT_API_KEY: SECRET}
+    # What the runner puts in a pod's spec: Prefect's settings as env, its secrets as refs.
+    with temporary_settings(settings):
+        secrets = PodSecrets(prefect_context.secret_values())
+        env = prefect_context.pod_settings_env()
+    manifest = build_job_manifest(_spec(env=env, secret_env=secrets.refs()))
+    container_env = manifest["spec"]["template"]["spec"]["containers"][0]["env"]
 
     assert {
         "name": "PREFECT_API_KEY",
-        "valueFrom": {"secretKeyRef": {"name": "kinetic-prefect-api", "key": "api-key"}},
-    } in env
+        "valueFrom": {"secretKeyRef": {"name": secrets.secret_name, "key": "prefect-api-key"}},
+    } in container_env
+    assert secrets.contents() == {secrets.secret_name: {"prefect-api-key": SECRET}}
     assert SECRET not in json.dumps(manifest)
 
 
@@ -173,14 +182,12 @@ def test_the_pods_grace_and_its_emergency_checkpoint_window_fit_gkes_spot_notice
     manifest = build_job_manifest(_spec("tpu-v5e-4:spot"))
     pod = manifest["spec"]["template"]["spec"]
     env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    # What the pod reads: the defaults, the manifest carrying no change.
+    window = Intervals.from_environ(env).emergency_window_seconds
 
     assert pod["terminationGracePeriodSeconds"] <= GKE_SPOT_POD_GRACE_SECONDS
     # The emergency save and the pod's own SIGKILL end with time left to report.
-    assert (
-        float(env["KINETIC_TERMINATION_GRACE_SECONDS"]) <= pod["terminationGracePeriodSeconds"] - 5
-    )
-    # A pod without the variable (an older manifest) falls back within the notice too.
-    assert emergency_window_seconds({}) <= GKE_SPOT_POD_GRACE_SECONDS - 5
+    assert window <= pod["terminationGracePeriodSeconds"] - 5
 
 
 class _RecordingBackend:

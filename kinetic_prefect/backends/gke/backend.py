@@ -43,13 +43,14 @@ from kinetic_prefect.backends.gke.client import (
     read_json,
 )
 from kinetic_prefect.backends.gke.ending import JobEnding
-from kinetic_prefect.backends.gke.kueue import QUEUE_POLL_SECONDS, QueueReader
+from kinetic_prefect.backends.gke.kueue import QueueReader
 from kinetic_prefect.backends.gke.loop_thread import LoopThread
-from kinetic_prefect.backends.gke.outcomes import SETTLE_MARGIN_SECONDS, OutcomeTracker
+from kinetic_prefect.backends.gke.outcomes import OutcomeTracker
 from kinetic_prefect.backends.gke.secrets import JobSecrets
 from kinetic_prefect.backends.gke.slice import create_services
 from kinetic_prefect.backends.gke.status import suspended, true_condition
-from kinetic_prefect.backends.gke.watch import CREDENTIALS_DENIED_SECONDS, JobWatch, TrackedJob
+from kinetic_prefect.backends.gke.watch import JobWatch, TrackedJob
+from kinetic_prefect.common.intervals import Intervals
 from kinetic_prefect.launch.manifest import (
     LABEL_FLOW_RUN_ID,
     LABEL_JOB_ID,
@@ -95,9 +96,10 @@ class KubernetesBackend(JobEnding):
         queue_timeout_seconds: float | None = None,
         cancel_grace_seconds: float = 10.0,
         kube_context: str | None = None,
-        credentials_denied_timeout_seconds: float = CREDENTIALS_DENIED_SECONDS,
-        queue_poll_seconds: float = QUEUE_POLL_SECONDS,
+        credentials_denied_timeout_seconds: float = 120.0,
+        intervals: Intervals | None = None,
     ) -> None:
+        self.intervals = intervals = intervals or Intervals()
         self.jobs_root = jobs_root
         self.cluster = cluster
         self.max_parallel = max_parallel
@@ -119,11 +121,14 @@ class KubernetesBackend(JobEnding):
         self._jobs: dict[str, TrackedJob] = {}
         self._queued: collections.deque[TrackedJob] = collections.deque()
         self._active = 0
-        self._secrets = JobSecrets(self._job_may_exist)
+        self._secrets = JobSecrets(self._job_may_exist, intervals.owner_batch_seconds)
         self._connect_lock: asyncio.Lock | None = None
         # Where Jobs waiting in a Kueue LocalQueue stand, read only while any waits.
         self._queue_reader = QueueReader(
-            self._jobs, lambda: self._access.client, self._report_pending, queue_poll_seconds
+            self._jobs,
+            lambda: self._access.client,
+            self._report_pending,
+            intervals.queue_poll_seconds,
         )
         self._outcomes = OutcomeTracker(
             self._jobs,
@@ -135,6 +140,7 @@ class KubernetesBackend(JobEnding):
             fail_to_start=self._start_failing,
             probe_events=lambda job: self._runtime.spawn(self._probe_events(job)),
             on_queued=lambda job: self._queue_reader.poke(),
+            intervals=intervals,
         )
         self._watch = JobWatch(
             self.selector,
@@ -143,6 +149,7 @@ class KubernetesBackend(JobEnding):
             self._start_failing,
             self._reload_credentials,
             credentials_denied_timeout_seconds,
+            intervals.watch_timeout_seconds,
         )
 
     # -- public API (any thread but the loop's) ---------------------------------------
@@ -239,7 +246,7 @@ class KubernetesBackend(JobEnding):
             self._closed = True
             started = self._runtime.started
         if started:
-            deadline = self.cancel_grace_seconds + SETTLE_MARGIN_SECONDS
+            deadline = self._outcomes.settle_seconds()
             try:
                 self._runtime.call(self._drain(deadline))
             finally:
@@ -257,7 +264,7 @@ class KubernetesBackend(JobEnding):
                 self._batch = client.BatchV1Api(access.client)
                 self._core = client.CoreV1Api(access.client)
                 self._access = access
-                self._runtime.spawn(access.keep_token_fresh())
+                self._runtime.spawn(access.keep_token_fresh(self.intervals.token_refresh_seconds))
                 self._runtime.spawn(self._outcomes.run())
                 self._runtime.spawn(self._queue_reader.run())
         return self._access

@@ -49,6 +49,7 @@ from kubernetes_asyncio.config.config_exception import ConfigException
 from kubernetes_asyncio.config.kube_config import refresh_token
 from prefect.logging import get_logger
 
+from kinetic_prefect.common.intervals import Intervals
 from kinetic_prefect.errors import ConfigurationError
 from kinetic_prefect.launch.manifest import (
     CONTAINER_NAME,
@@ -61,8 +62,6 @@ logger = get_logger("kinetic_prefect.backends.gke.client")
 
 # Every object kinetic-prefect creates carries this label; tools select on it.
 MANAGED_SELECTOR = f"{LABEL_MANAGED_BY}={MANAGED_BY}"
-# exec / gcp-auth tokens (GKE's gke-gcloud-auth-plugin) last an hour; refresh well before.
-_TOKEN_REFRESH_SECONDS = 300
 
 _NO_ACCESS_HINT = (
     "Set kube_config on the KineticCluster block "
@@ -99,15 +98,18 @@ class ClusterAccess:
         if loader is not None:
             self._loader = loader
 
-    async def keep_token_fresh(self) -> None:
-        """Refresh short-lived exec/gcp tokens for as long as the client lives."""
+    async def keep_token_fresh(self, every: float = Intervals.token_refresh_seconds) -> None:
+        """Refresh short-lived exec/gcp tokens for as long as the client lives.
+
+        Such tokens (GKE's gke-gcloud-auth-plugin) last an hour: `every` is well before.
+        """
         loader = self._loader
         if loader is None:
             return
         user = getattr(loader, "_user", None)
         if loader.provider != "gcp" and not (user is not None and "exec" in user):
             return
-        await refresh_token(loader, self.client.configuration, interval=_TOKEN_REFRESH_SECONDS)
+        await refresh_token(loader, self.client.configuration, interval=int(every))
 
     async def close(self) -> None:
         await self.client.close()

@@ -31,6 +31,7 @@ from prefect.logging import get_logger
 from kinetic_prefect.backends.gke.client import api_error_message, read_json
 from kinetic_prefect.backends.gke.status import queue_name_of, true_condition
 from kinetic_prefect.backends.gke.watch import TrackedJob
+from kinetic_prefect.common.intervals import Intervals
 
 logger = get_logger("kinetic_prefect.backends.gke.kueue")
 
@@ -44,8 +45,6 @@ PENDING_WORKLOADS_PATH = (
     f"/apis/{VISIBILITY_GROUP}/{KUEUE_VERSION}/namespaces/{{namespace}}/localqueues/{{name}}"
     "/pendingworkloads"
 )
-# How often the queued Jobs' Workloads are read while any Job is queued.
-QUEUE_POLL_SECONDS = 10.0
 
 
 def workload_of(workloads: list[dict[str, Any]], job_uid: str) -> dict[str, Any] | None:
@@ -122,7 +121,7 @@ class QueueReader:
         jobs: Mapping[str, TrackedJob],
         api_client: Callable[[], Any],
         report: Callable[[TrackedJob, str], None],
-        poll_seconds: float = QUEUE_POLL_SECONDS,
+        poll_seconds: float = Intervals.queue_poll_seconds,
     ) -> None:
         self._jobs = jobs
         self._api_client = api_client

@@ -39,14 +39,7 @@ from kinetic_prefect.backends.gke.status import (
     true_condition,
 )
 from kinetic_prefect.backends.gke.watch import TrackedJob
-
-# A Job that has no pod after this long is checked for FailedCreate events (quota).
-EVENTS_PROBE_SECONDS = 10.0
-EVENTS_PROBE_INTERVAL = 15.0
-# How long to wait for a pod's own final status after its Job ended or was deleted.
-SETTLE_MARGIN_SECONDS = 30.0
-# How long to wait for the Job's reason after its pod vanished without a final status.
-POD_GONE_SETTLE_SECONDS = 5.0
+from kinetic_prefect.common.intervals import Intervals
 
 # (job, exit code, signal, reason)
 Conclude = Callable[[TrackedJob, int | None, int | None, str], None]
@@ -73,8 +66,11 @@ class OutcomeTracker:
         fail_to_start: Callable[[TrackedJob, str | None], None],
         probe_events: Callable[[TrackedJob], None],
         on_queued: Callable[[TrackedJob], None] | None = None,
+        intervals: Intervals | None = None,
     ) -> None:
         self._jobs = jobs
+        # The settle margins and event probes (docs/intervals.md).
+        self.intervals = intervals or Intervals()
         self.cancel_grace_seconds = cancel_grace_seconds
         self.pending_timeout_seconds = pending_timeout_seconds
         self.queue_timeout_seconds = queue_timeout_seconds
@@ -95,7 +91,9 @@ class OutcomeTracker:
 
     def _admitted(self, job: TrackedJob, now: float) -> None:
         job.admitted_at = now
-        job.next_probe = now + min(EVENTS_PROBE_SECONDS, self.pending_timeout_seconds / 2)
+        job.next_probe = now + min(
+            self.intervals.events_probe_seconds, self.pending_timeout_seconds / 2
+        )
         self.poke()
 
     def _queued(self, job: TrackedJob) -> None:
@@ -118,9 +116,13 @@ class OutcomeTracker:
 
     def settle_after_cancel(self, job: TrackedJob) -> None:
         """The job's Job was deleted: give its pod the cancel grace to report how it ended."""
-        job.settle_by = time.monotonic() + self.cancel_grace_seconds + SETTLE_MARGIN_SECONDS
+        job.settle_by = time.monotonic() + self.settle_seconds()
         self.evaluate(job)
         self.poke()
+
+    def settle_seconds(self) -> float:
+        """How long a live pod gets to report how it ended once its Job has."""
+        return self.cancel_grace_seconds + self.intervals.settle_margin_seconds
 
     def evaluate(self, job: TrackedJob) -> None:
         """Decide from the job's last seen Job and pod whether it ended, waits, or is pending."""
@@ -149,11 +151,7 @@ class OutcomeTracker:
             # its Job ended. Wait for it, but not forever.
             if job.settle_by is None:
                 alive = pod is not None and not job.pod_gone
-                wait = (
-                    self.cancel_grace_seconds + SETTLE_MARGIN_SECONDS
-                    if alive
-                    else POD_GONE_SETTLE_SECONDS
-                )
+                wait = self.settle_seconds() if alive else self.intervals.pod_gone_settle_seconds
                 job.settle_by = time.monotonic() + wait
                 self.poke()
             return
@@ -249,7 +247,11 @@ class OutcomeTracker:
             if job.pod is None or job.unschedulable:
                 if now >= job.next_probe:
                     # A pod's events are read once here and once more before it fails.
-                    again = EVENTS_PROBE_INTERVAL if job.pod is None else math.inf
+                    again = (
+                        self.intervals.events_probe_interval_seconds
+                        if job.pod is None
+                        else math.inf
+                    )
                     job.next_probe = now + again
                     self._probe_events(job)
                 if job.next_probe < math.inf:

@@ -10,7 +10,7 @@ Jobs (after `ttlSecondsAfterFinished`, a cancel, `kinetic-prefect jobs cleanup`)
 the flow process was SIGKILLed. The backend deletes it itself when it closes.
 
 Owners are added in bulk: one strategic-merge patch (merged by uid, so owners another
-process added stay) carries every Job created within `OWNER_BATCH_SECONDS` of the first
+process added stay) carries every Job created within `owner_batch_seconds` of the first
 one waiting (or while the previous patch was on its way), so a sweep costs far fewer
 patches than Jobs and a one-at-a-time flow one patch per Job.
 
@@ -44,16 +44,10 @@ from kinetic_prefect.backends.gke.client import (
     put_secret,
     read_json,
 )
+from kinetic_prefect.common.intervals import Intervals
 
 logger = get_logger("kinetic_prefect.backends.gke.secrets")
 
-# A flow process creates its Secret just before its first Job and makes that Job its
-# owner right after: cleanup leaves an unowned Secret younger than this alone.
-ORPHAN_GRACE_SECONDS = 600
-
-# How long a Job created waits for others to share its owner patch: a map's Jobs are
-# created one after another, each create one round trip.
-OWNER_BATCH_SECONDS = 1.0
 
 # (namespace, Job name) -> whether that Job may still exist, as the backend knows it.
 MayExist = Callable[[str, str], bool]
@@ -79,8 +73,13 @@ class JobSecrets:
     (the backend has not seen it deleted nor past its TTL).
     """
 
-    def __init__(self, may_exist: MayExist) -> None:
+    def __init__(
+        self, may_exist: MayExist, owner_batch_seconds: float = Intervals.owner_batch_seconds
+    ) -> None:
         self._may_exist = may_exist
+        # How long a Job created waits for others to share its owner patch: a map's Jobs
+        # are created one after another, each create one round trip.
+        self._owner_batch_seconds = owner_batch_seconds
         self._secrets: dict[tuple[str, str], _SharedSecret] = {}
         self._lock: asyncio.Lock | None = None
         self._closing = False
@@ -149,7 +148,7 @@ class JobSecrets:
     async def _flush(self, core: Any, secret: _SharedSecret) -> None:
         """Patch in the owners waiting, then those that arrived meanwhile, until none wait."""
         while secret.waiting and not self._closing:
-            await asyncio.sleep(OWNER_BATCH_SECONDS)
+            await asyncio.sleep(self._owner_batch_seconds)
             batch, secret.waiting = secret.waiting, []
             try:
                 await self._add_owners(core, secret, batch)

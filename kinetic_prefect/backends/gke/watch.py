@@ -12,9 +12,9 @@ owner re-evaluates it from what was last seen of its Job and pod.
 A stream answered 401 or 403 re-reads the credentials from where they came from
 (a rotated token, a refreshed kubeconfig; `ClusterAccess.reload_credentials`)
 and resumes from its last resourceVersion, backing off. Only a job whose stream
-stays refused for `credentials_denied_timeout_seconds` (default
-`CREDENTIALS_DENIED_SECONDS`, counted from the first refusal or the job's
-creation, whichever is later) fails, saying since when the credentials are refused.
+stays refused for `credentials_denied_timeout_seconds` (a launch setting, counted
+from the first refusal or the job's creation, whichever is later) fails, saying
+since when the credentials are refused.
 """
 
 from __future__ import annotations
@@ -35,16 +35,12 @@ from prefect.logging import get_logger
 from kinetic_prefect.backends.base import OnExit, OnPending
 from kinetic_prefect.backends.gke.client import api_error_message, read_json
 from kinetic_prefect.backends.gke.slice import slice_pod
+from kinetic_prefect.common.intervals import Intervals
 from kinetic_prefect.launch.manifest import LABEL_JOB_ID
 from kinetic_prefect.launch.settings import LaunchSettings
 
 logger = get_logger("kinetic_prefect.backends.gke.watch")
 
-# The API server ends a watch after at most this long; the watcher then resumes.
-WATCH_TIMEOUT_SECONDS = 300
-# How long a stream may stay refused (401/403) before its jobs fail (two minutes): longer
-# than a rotated token takes to reach a kubeconfig or a mounted token file.
-CREDENTIALS_DENIED_SECONDS = LaunchSettings.credentials_denied_timeout_seconds
 _DENIED_STATUSES = frozenset({401, 403})
 
 
@@ -126,14 +122,19 @@ class JobWatch:
         on_change: Callable[[TrackedJob], None],
         on_denied: Callable[[TrackedJob, str], None],
         reload_credentials: Callable[[], Awaitable[None]],
-        denied_timeout_seconds: float = CREDENTIALS_DENIED_SECONDS,
+        denied_timeout_seconds: float = LaunchSettings.credentials_denied_timeout_seconds,
+        watch_timeout_seconds: float = Intervals.watch_timeout_seconds,
     ) -> None:
         self.selector = selector
         self._jobs = jobs
         self._on_change = on_change
         self._on_denied = on_denied
         self._reload_credentials = reload_credentials
+        # How long a stream may stay refused (401/403) before its jobs fail: longer than
+        # a rotated token takes to reach a kubeconfig or a mounted token file.
         self.denied_timeout_seconds = denied_timeout_seconds
+        # The API server ends a watch after at most this long; the watcher then resumes.
+        self.watch_timeout_seconds = watch_timeout_seconds
         self._namespaces: set[str] = set()
         self._create_seq = 0
 
@@ -211,10 +212,10 @@ class JobWatch:
             watch=True,
             resource_version=version,
             allow_watch_bookmarks=True,
-            timeout_seconds=WATCH_TIMEOUT_SECONDS,
+            timeout_seconds=int(self.watch_timeout_seconds),
             _preload_content=False,
             _request_timeout=aiohttp.ClientTimeout(
-                total=None, sock_connect=30, sock_read=WATCH_TIMEOUT_SECONDS + 60
+                total=None, sock_connect=30, sock_read=self.watch_timeout_seconds + 60
             ),
         )
 

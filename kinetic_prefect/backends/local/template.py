@@ -30,10 +30,11 @@ import threading
 from collections.abc import Mapping
 from pathlib import Path
 
+from kinetic_prefect.common.intervals import Intervals
+
 TEMPLATE_ENV = "KINETIC_LOCAL_TEMPLATE"
 POD_MODULE = "kinetic_prefect.pod"
 _MAX_TEMPLATES = 4
-_REPLY_TIMEOUT_SECONDS = 120.0
 _UNKNOWN_EXIT = 255
 
 # Read while Python, the C library and the preloaded modules start (the test
@@ -115,6 +116,8 @@ class PodTemplate:
 
     def __init__(self, env: Mapping[str, str], interpreter: str = sys.executable) -> None:
         self.env = dict(env)
+        # How long the template may take to answer a fork request.
+        self._reply_seconds = Intervals.from_environ(os.environ).template_reply_seconds
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._control = ours
         with theirs:
@@ -150,7 +153,7 @@ class PodTemplate:
                 raise OSError("the pod template has ended")
             self._control.send(json.dumps(request).encode())
             try:
-                reply = self._replies.get(timeout=_REPLY_TIMEOUT_SECONDS)
+                reply = self._replies.get(timeout=self._reply_seconds)
             except queue.Empty:
                 reply = None
             if reply is None:
