@@ -4,7 +4,7 @@ UV_VERSION := 0.13.9
 TOOLS := .tools
 UV := $(TOOLS)/bin/uv
 VENV := .venv
-# The conformance tests also run on the lowest Prefect pyproject.toml allows, in here.
+# The tests marked `lowest_prefect` also run on the lowest Prefect pyproject.toml allows, in here.
 VENV_LOWEST := .venv-lowest
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export UV_PYTHON_DOWNLOADS := never
@@ -61,9 +61,9 @@ demo-stop: $(VENV)/.synced
 	$(VENV)/bin/python deployments/local_server.py --stop
 
 # Four pytest workers share the suite (many cases wait on pods and timeouts rather than
-# use a CPU); tests/support/scheduling.py says how: the worker tests on one worker, and
-# the timing-bound tests (`alone`) last, once the other workers have exited.
-# Then the conformance tests on the lowest Prefect that pyproject.toml allows.
+# use a CPU); tests/support/scheduling.py says how: the worker tests on one worker.
+# Then the tests marked `lowest_prefect` (the private-API adapters' tests and the
+# conformance tests) on the lowest Prefect that pyproject.toml allows.
 # A failure, or collecting no test (pytest's exit 5), fails.
 test: $(VENV)/.synced $(VENV_LOWEST)/.synced
 	$(VENV)/bin/python -m pytest -n 4 --dist loadgroup
@@ -71,7 +71,7 @@ test: $(VENV)/.synced $(VENV_LOWEST)/.synced
 
 test-lowest: $(VENV_LOWEST)/.synced
 	$(VENV_LOWEST)/bin/python -c 'import prefect; print("Conformance on prefect", prefect.__version__)'
-	$(VENV_LOWEST)/bin/python -m pytest -n 4 --dist loadgroup tests/runner/test_conformance.py
+	$(VENV_LOWEST)/bin/python -m pytest -n 4 --dist loadgroup -m lowest_prefect
 
 lint: $(VENV)/.synced
 	$(VENV)/bin/ruff check kinetic_prefect tests flows blocks

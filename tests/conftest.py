@@ -33,11 +33,7 @@ from kinetic_prefect.backends.local.backend import LocalBackend
 from tests.support.gcs_iam import IamProxy
 from tests.support.kube import KubeCluster, running_cluster
 from tests.support.prefect_server import migrated_database
-from tests.support.scheduling import SuiteScheduling, check_alone_marks
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    check_alone_marks(items)
+from tests.support.scheduling import SuiteScheduling
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:

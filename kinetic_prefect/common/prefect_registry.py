@@ -3,7 +3,8 @@
 Prefect registers a block or worker class when its module is imported; the
 `prefect.collections` entry point (`kinetic_prefect.plugin`) names the classes
 without importing them (and prefect-gcp, prefect-kubernetes) in every process
-that loads collections.
+that loads collections. The registries are Prefect's own dicts:
+`test_deferred_registration_reaches_prefects_registry` fails if that changes.
 """
 
 from __future__ import annotations

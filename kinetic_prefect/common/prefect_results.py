@@ -9,9 +9,10 @@ letting Prefect read (and unpickle) whatever the storage holds at that moment.
 Prefect offers no public call that deserialises a record from given bytes or
 reads a block's bytes without going through its result store, so this module
 uses `ResultRecord.deserialize` and the storage blocks' `read_path(..., _sync=True)`
-dispatch. tests/emulated/test_results_and_retries.py's
+dispatch. `test_a_persisted_result_is_read_back_as_its_stored_bytes_then_deserialised`
+reads a record Prefect wrote through both, and
 `test_a_result_record_replaced_after_the_pod_wrote_it_is_refused_naming_it_never_unpickled`
-reads a real pod's result through both first, and fails if either changes.
+a real pod's; they fail if either changes.
 """
 
 from __future__ import annotations

@@ -5,7 +5,12 @@ the local template), sending queued logs and events without exiting (a warm
 pod between tasks), the result record a persisted result travels as, whether
 that result was stored, and one attempt of the engine without its in-process
 retries (a slice's host 0). Each leans on Prefect internals; the tests named in
-each docstring fail if they change.
+each docstring fail if they change:
+`test_task_logs_reach_the_api_before_the_flow_ends_its_warm_pods`,
+`test_a_forked_pod_reads_prefect_settings_from_its_own_environment`,
+`test_a_result_record_replaced_after_the_pod_wrote_it_is_refused_naming_it_never_unpickled`,
+`test_a_task_pod_that_cannot_write_the_results_bucket_fails_naming_storage_objects_create`,
+`test_an_exception_on_host_0_retries_the_whole_slice_with_one_attempt_number`.
 """
 
 from __future__ import annotations

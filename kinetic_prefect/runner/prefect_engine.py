@@ -4,6 +4,9 @@ Kept together so that a Prefect upgrade touches one module: the task run created
 on the orchestrator, the cache lookup before any pod, the state changes the
 runner records for pods that could not record their own, retry timing, and the
 artifacts that show where a task run's pod runs.
+`test_the_engine_adapter_records_states_the_api_then_reports_as_ended` and every test
+of tests/runner/test_conformance.py (`test_tags_reach_the_task_in_the_pod`, ...) fail if
+Prefect's engine changes under it.
 """
 
 from __future__ import annotations

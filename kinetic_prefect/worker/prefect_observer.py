@@ -1,8 +1,10 @@
 """Prefect's observer of flow runs entering Cancelling: the worker's watch on unstarted pods.
 
 Prefect's own workers use it from `prefect._internal`; it has no public home.
-`test_cancelling_a_flow_run_whose_pod_has_not_started_the_flow_stops_the_pod` fails
-if it changes.
+`test_prefects_cancelling_observer_calls_back_for_an_in_flight_run_that_enters_cancelling`
+uses it as the worker does, and
+`test_cancelling_a_flow_run_whose_pod_has_not_started_the_flow_stops_the_pod` through
+the worker; they fail if it changes.
 """
 
 from __future__ import annotations

@@ -12,7 +12,10 @@ own, so its CPU time is the runner's alone; the same map on Prefect's
 
 Per task: the runner's Kubernetes API requests (the kubelet's are not counted), GCS
 requests of the runner and its pods together (every request the IAM proxy received),
-Prefect API requests of the runner and its pods, and the flow process's CPU time.
+Prefect API requests of the runner and its pods, and the flow process's CPU time. And
+how soon a pod's end is noticed: from the kubelet recording its container's exit to
+the future resolving in the flow process (median and slowest, cold pods only: a warm
+pod's container exits after its last task).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -56,9 +60,17 @@ def run_flow(runner_kind: str, n: int) -> None:
             warm_pods=runner_kind == "warm",
         )
 
+    resolved: dict[str, float] = {}
+
     @flow(task_runner=runner)
     def fan_out(n: int) -> tuple[list[str], list[int]]:
         futures = plus_one.map(range(n))
+        for future in futures:
+            job_id = getattr(future, "job_id", None)
+            if job_id is not None:
+                future.wrapped_future.add_done_callback(
+                    lambda _, job=job_id: resolved.setdefault(job, time.time())
+                )
         wait(futures)
         states = [f.state.type.value for f in futures]
         return states, [f.result() for f in futures if f.state.is_completed()]
@@ -67,7 +79,8 @@ def run_flow(runner_kind: str, n: int) -> None:
     states, values = fan_out(n)
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     right = values == [x + 1 for x in range(n)]
-    print(json.dumps({"states": states, "right": right, "cpu": cpu, "wall": wall}))
+    result = {"states": states, "right": right, "cpu": cpu, "wall": wall, "resolved": resolved}
+    print(json.dumps(result))
 
 
 def _flow_process(runner_kind: str, n: int, env: dict[str, str], cwd: Path) -> dict[str, object]:
@@ -160,6 +173,9 @@ def main(n: int = 100, nodes: int = 8, modes: tuple[str, ...] = ("cold", "warm")
                     workdir,
                 )
                 breakdowns.append((label, iam.requests[gcs_before:], iam.uploaded[uploads_before:]))
+                resolved: dict[str, float] = result["resolved"]  # type: ignore[assignment]
+                finished = cluster.kubelet.finished_at
+                notice = [resolved[j] - finished[j] for j in resolved if j in finished]
                 (workdir / f"gcs-requests-{label}.json").write_text(
                     json.dumps(iam.requests[gcs_before:], indent=0)
                 )
@@ -174,6 +190,8 @@ def main(n: int = 100, nodes: int = 8, modes: tuple[str, ...] = ("cold", "warm")
                         (len(iam.requests) - gcs_before) / n,
                         (prefect_api.total - prefect_before) / n,
                         1000 * result["cpu"] / n,  # type: ignore[operator]
+                        statistics.median(notice) if notice and label == "cold" else None,
+                        max(notice) if notice and label == "cold" else None,
                     )
                 )
 
@@ -182,11 +200,14 @@ def main(n: int = 100, nodes: int = 8, modes: tuple[str, ...] = ("cold", "warm")
     print(
         f"{'pods':<6}{'done':>6}{'wall s':>8}{'pods at once':>14}{'Jobs':>6}{'k8s/task':>10}"
         f"{'GCS/task':>10}{'Prefect/task':>14}{'CPU ms/task':>13}{'vs threads':>12}"
+        f"{'exit noticed s (median/max)':>29}"
     )
-    for label, done, wall, at_once, jobs, kube, gcs_requests, prefect, cpu in rows:
+    for label, done, wall, at_once, jobs, kube, gcs_requests, prefect, cpu, median, most in rows:
+        noticed = f"{median:.3f}/{most:.3f}" if median is not None else "-"
         print(
             f"{label:<6}{done:>6}{wall:>8.1f}{at_once:>14}{jobs:>6}{kube:>10.2f}"
             f"{gcs_requests:>10.1f}{prefect:>14.1f}{cpu:>13.1f}{cpu / base_cpu:>11.1f}x"
+            f"{noticed:>29}"
         )
     print(
         f"{'threads':<6}{n:>6}{baseline['wall']:>8.1f}{'-':>14}{'-':>6}{'-':>10}{'-':>10}"

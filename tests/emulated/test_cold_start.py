@@ -53,6 +53,7 @@ def test_collections_entry_point_imports_neither_gcp_kubernetes_nor_the_worker()
     assert out == "[]"
 
 
+@pytest.mark.lowest_prefect
 def test_deferred_registration_reaches_prefects_registry():
     # Fails if a Prefect upgrade changes how block and worker types are looked up.
     out = _python(

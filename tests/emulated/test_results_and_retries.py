@@ -419,6 +419,7 @@ def _submitted_once(runner: Any, task: Any, store: Any) -> tuple[str, object, An
     return job_id, task_run_id, metadata, attempt_end
 
 
+@pytest.mark.lowest_prefect
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["local", "gke"])
 def test_a_result_record_replaced_after_the_pod_wrote_it_is_refused_naming_it_never_unpickled(

@@ -28,6 +28,7 @@ print("RESULT " + json.dumps({"results": squares(), "flow_pid": os.getpid()}))
 """
 
 
+@pytest.mark.lowest_prefect
 @pytest.mark.slow
 def test_runner_with_no_settings_runs_pods_in_prefect_ephemeral_mode(
     tmp_path: Path, prefect_database: Path

@@ -80,6 +80,7 @@ def test_a_forked_pod_sees_exactly_the_environment_a_fresh_pod_would(
     assert Path(forked["path0"]).parent == Path(forked["cwd"]).parent
 
 
+@pytest.mark.lowest_prefect
 def test_a_forked_pod_reads_prefect_settings_from_its_own_environment(prefect_api: str):
     # The template imported Prefect without any PREFECT_ variable; the pod's manifest
     # carries the API URL, and Prefect's global settings must have been read again.

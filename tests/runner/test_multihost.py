@@ -172,6 +172,7 @@ def _slice_with_a_deadline() -> KineticTaskRunner:
     return KineticTaskRunner(accelerator="tpu-v5e-16", env=CPU_JAX, timeout_seconds=DEADLINE)
 
 
+@pytest.mark.lowest_prefect
 def test_an_exception_on_host_0_retries_the_whole_slice_with_one_attempt_number(workdir):
     seen = run_a_host_failing_once(_slice_with_a_deadline(), workdir)
 

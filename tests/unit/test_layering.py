@@ -179,3 +179,31 @@ def test_at_the_top_level_only_the_public_modules():
     top = sorted(p.name for p in PACKAGE_ROOT.glob("*.py"))
 
     assert top == ["__init__.py", "blocks.py", "errors.py", "plugin.py"]
+
+
+def _tests_named_in(module: Path) -> list[str]:
+    import re
+
+    return sorted(set(re.findall(r"`(test_\w+)`", module.read_text())))
+
+
+def _marked_lowest(test: str) -> bool:
+    """Whether `def test` exists in tests/ and carries the `lowest_prefect` mark (or its module)."""
+    import re
+
+    for path in (PACKAGE_ROOT.parent / "tests").rglob("test_*.py"):
+        text = path.read_text()
+        found = re.search(rf"((?:^@.*\n)*)def {test}\(", text, re.MULTILINE)
+        if found:
+            module_mark = re.search(r"^pytestmark = .*lowest_prefect", text, re.MULTILINE)
+            return bool(module_mark) or "lowest_prefect" in found.group(1)
+    return False
+
+
+def test_every_prefect_adapter_names_its_tests_and_they_run_on_the_lowest_prefect_too():
+    adapters = sorted(PACKAGE_ROOT.rglob("prefect_*.py"))
+    named = {str(a.relative_to(PACKAGE_ROOT)): _tests_named_in(a) for a in adapters}
+
+    assert [module for module, tests in named.items() if not tests] == []
+    unmarked = [(m, t) for m, tests in named.items() for t in tests if not _marked_lowest(t)]
+    assert unmarked == [], "mark these @pytest.mark.lowest_prefect (make test-lowest runs them)"

@@ -359,6 +359,7 @@ def test_cancelling_a_running_flow_run_stops_its_flow_and_task_pods_within_the_g
     assert task_states == {"CANCELLED"}
 
 
+@pytest.mark.lowest_prefect
 def test_cancelling_a_flow_run_whose_pod_has_not_started_the_flow_stops_the_pod(stack: Stack):
     # A pod stuck before `prefect flow-run execute` (as if pulling its image) keeps its
     # flow run Pending: only the worker can stop it.

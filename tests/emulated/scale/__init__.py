@@ -1,1 +1,0 @@
-"""Timing-bound scale tests: run last, alone (tests/support/scheduling.py)."""

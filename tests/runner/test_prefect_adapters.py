@@ -1,0 +1,113 @@
+"""The private Prefect calls of the `prefect_*.py` adapters, each against a real Prefect API.
+
+Every adapter leans on something Prefect does not promise to keep: these tests are
+the ones a Prefect upgrade breaks first. `make test-lowest` runs them (and every other
+test marked `lowest_prefect`) on the lowest Prefect pyproject.toml allows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from pathlib import Path
+
+import pytest
+from prefect import flow, get_client, task
+from prefect.filesystems import LocalFileSystem
+from prefect.states import Cancelling
+
+from kinetic_prefect.common import prefect_results
+from kinetic_prefect.runner import prefect_engine
+from kinetic_prefect.worker.prefect_observer import cancelling_observer
+from tests.support.waiting import wait_until
+
+pytestmark = [pytest.mark.lowest_prefect, pytest.mark.usefixtures("prefect_api", "workdir")]
+
+
+@flow
+def idle() -> None:
+    pass
+
+
+def test_prefects_cancelling_observer_calls_back_for_an_in_flight_run_that_enters_cancelling():
+    # As the worker uses it: a plain callback, and the run registered while it is in flight.
+    async def observe() -> tuple[uuid.UUID, list[uuid.UUID]]:
+        seen: list[uuid.UUID] = []
+        async with get_client() as client:
+            flow_run = await client.create_flow_run(idle)
+            async with cancelling_observer(seen.append, 0.5, None) as observer:
+                observer.add_in_flight_flow_run_id(flow_run.id)
+                await client.set_flow_run_state(flow_run.id, Cancelling(), force=True)
+                deadline = asyncio.get_running_loop().time() + 60
+                while not seen and asyncio.get_running_loop().time() < deadline:
+                    await asyncio.sleep(0.1)
+        return flow_run.id, seen
+
+    flow_run_id, seen = asyncio.run(observe())
+
+    assert seen == [flow_run_id]
+
+
+def test_a_persisted_result_is_read_back_as_its_stored_bytes_then_deserialised(tmp_path: Path):
+    storage = LocalFileSystem(basepath=str(tmp_path / "results"))
+    storage.save(f"results-{uuid.uuid4().hex[:8]}")
+
+    @task(persist_result=True, result_storage=storage)
+    def answer() -> dict[str, int]:
+        return {"answer": 42}
+
+    @flow
+    def one() -> uuid.UUID:
+        return answer.submit().task_run_id  # type: ignore[return-value]
+
+    task_run_id = one()
+    with get_client(sync_client=True) as client:
+        state = client.read_task_run(task_run_id).state
+    metadata = prefect_results.result_reference(state)
+
+    stored = prefect_results.read_stored(metadata)
+    on_disk = next((tmp_path / "results").iterdir())
+    assert stored.data == on_disk.read_bytes()
+    assert stored.location == str(on_disk)
+    assert prefect_results.load_record(stored.data, metadata).result == {"answer": 42}
+
+
+def test_the_engine_adapter_records_states_the_api_then_reports_as_ended():
+    from prefect.states import Completed
+
+    @task(retries=2, retry_delay_seconds=[7, 9])
+    def later() -> None:
+        pass
+
+    @flow
+    def outer() -> tuple[uuid.UUID, float]:
+        task_run = prefect_engine.new_task_run(later, uuid.uuid4(), {}, None, None)
+        wait_until(lambda: _state_name(task_run.id) is not None, 60, "the task run")
+        prefect_engine.report_state(task_run, prefect_engine.awaiting_retry(0.0, "again"))
+        wait_until(
+            lambda: _state_name(task_run.id) == "AwaitingRetry", 60, "the AwaitingRetry state"
+        )
+        assert prefect_engine.ended_task_runs([task_run.id]) == set()
+        prefect_engine.report_state(task_run, Completed())
+        wait_until(
+            lambda: prefect_engine.ended_task_runs([task_run.id]) == {task_run.id},
+            60,
+            "the Completed state",
+        )
+        return task_run.id, prefect_engine.retry_delay(later, 2)
+
+    task_run_id, delay = outer()
+
+    assert delay == 9.0
+    assert prefect_engine.recorded_run_count(task_run_id) == 0  # no pod ever ran it
+
+
+def _state_name(task_run_id: uuid.UUID) -> str | None:
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            state = client.read_task_run(task_run_id).state
+        except ObjectNotFound:  # its creation is an event the API has not recorded yet
+            return None
+    return state.name if state else None
