@@ -57,6 +57,38 @@ class AttemptEnd:
         return max(0.0, (scheduled - datetime.now(UTC)).total_seconds())
 
 
+# What follows a pod that ended without reporting its task's end itself.
+CONCLUDE = "conclude"  # the state stands: the task run ends with it
+RELAUNCH_PREEMPTED = "relaunch-preempted"  # a new pod, on the preemption budget
+RETRY = "retry"  # a new pod after the task's retry delay, on the task's retries
+
+
+def after_silent_end(
+    *,
+    state_type: StateType,
+    cancelled: bool,
+    preempted: bool,
+    preemptions_left: int,
+    retries_left: int,
+    pod_never_ran_the_task: bool,
+) -> str:
+    """The runner's next step for a pod that left no report of its own (`state_type` is
+    what the backend saw made of it: Crashed, or Cancelled, Completed, ...).
+
+    Only a crash is relaunched, never a cancel. The infrastructure taking a pod away
+    (preemption, eviction, node loss: `preempted`) spends the preemption budget, not the
+    task's retries; a crash spends a retry, unless the pod never ran the task (a phase
+    or start failure: the same pod spec would fail the same way).
+    """
+    if cancelled or state_type != StateType.CRASHED:
+        return CONCLUDE
+    if preempted and preemptions_left > 0:
+        return RELAUNCH_PREEMPTED
+    if retries_left > 0 and not pod_never_ran_the_task:
+        return RETRY
+    return CONCLUDE
+
+
 def read_attempt_end(
     store: JobsStore, job_id: str, outcome: PodExit, signing_key: str
 ) -> AttemptEnd:

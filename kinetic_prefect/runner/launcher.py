@@ -59,7 +59,13 @@ from kinetic_prefect.launch.shipping import ship_parameters
 from kinetic_prefect.launch.slices import build_workload
 from kinetic_prefect.runner import prefect_engine as prefect_bridge
 from kinetic_prefect.runner import result_check
-from kinetic_prefect.runner.attempt_end import exception_or_none, read_attempt_end
+from kinetic_prefect.runner.attempt_end import (
+    RELAUNCH_PREEMPTED,
+    RETRY,
+    after_silent_end,
+    exception_or_none,
+    read_attempt_end,
+)
 from kinetic_prefect.runner.reattach import Reattacher, identity_labels
 from kinetic_prefect.runner.resources import RunnerResources
 from kinetic_prefect.runner.task_launch import TaskLaunch
@@ -334,18 +340,24 @@ class Launcher:
             # the API, only when a relaunch depends on it.
             recorded = prefect_bridge.recorded_run_count(launch.task_run.id)
             launch.runs_used = max(launch.runs_used, recorded)
-        if launch.cancelled or outcome.cancelled or not end.state.is_crashed():
-            self.conclude(launch, end.state)
-        elif outcome.preempted and launch.preemptions_left > 0:
+        step = after_silent_end(
+            state_type=end.state.type,
+            cancelled=launch.cancelled or outcome.cancelled,
+            preempted=outcome.preempted,
+            preemptions_left=launch.preemptions_left,
+            retries_left=launch.retries_left,
+            pod_never_ran_the_task=isinstance(
+                exception_or_none(end.state), (PodPhaseError, PodStartError)
+            ),
+        )
+        if step == RELAUNCH_PREEMPTED:
             launch.preemptions += 1
             note = (
                 f"Preempted: {end.state.message} (preemption {launch.preemptions} of "
                 f"{launch.settings.preemption_retries}; the task's retries are untouched)"
             )
             self.schedule_relaunch(launch, note, delay=0.0)
-        elif launch.retries_left > 0 and not isinstance(
-            exception_or_none(end.state), (PodPhaseError, PodStartError)
-        ):
+        elif step == RETRY:
             delay = prefect_bridge.retry_delay(launch.task, launch.runs_used)
             self.schedule_relaunch(launch, f"Retrying after a crash: {end.state.message}", delay)
         else:

@@ -1,0 +1,79 @@
+"""What the runner does after a pod that left no report of its own: a table."""
+
+from __future__ import annotations
+
+import pytest
+from prefect.client.schemas.objects import StateType
+
+from kinetic_prefect.runner.attempt_end import (
+    CONCLUDE,
+    RELAUNCH_PREEMPTED,
+    RETRY,
+    after_silent_end,
+)
+
+CRASHED, CANCELLED, COMPLETED, FAILED = (
+    StateType.CRASHED,
+    StateType.CANCELLED,
+    StateType.COMPLETED,
+    StateType.FAILED,
+)
+
+# (state the backend's view made, cancelled, preempted, preemptions left, retries left,
+#  the pod never ran the task) -> next step
+ROWS = [
+    pytest.param(CRASHED, False, False, 3, 2, False, RETRY, id="a crash with retries left"),
+    pytest.param(CRASHED, False, False, 3, 0, False, CONCLUDE, id="a crash with no retry left"),
+    pytest.param(
+        CRASHED, False, True, 3, 0, False, RELAUNCH_PREEMPTED, id="a preemption spends no retry"
+    ),
+    pytest.param(
+        CRASHED, False, True, 0, 2, False, RETRY, id="preemptions used up: a retry instead"
+    ),
+    pytest.param(CRASHED, False, True, 0, 0, False, CONCLUDE, id="preemptions and retries used up"),
+    pytest.param(
+        CRASHED, False, False, 3, 2, True, CONCLUDE, id="a phase or start failure is not retried"
+    ),
+    pytest.param(
+        CRASHED,
+        False,
+        True,
+        1,
+        0,
+        True,
+        RELAUNCH_PREEMPTED,
+        id="preempted before the task ran: relaunched all the same",
+    ),
+    pytest.param(CRASHED, True, True, 3, 2, False, CONCLUDE, id="cancelled: never relaunched"),
+    pytest.param(CANCELLED, False, False, 3, 2, False, CONCLUDE, id="a Cancelled state stands"),
+    pytest.param(COMPLETED, False, True, 3, 2, False, CONCLUDE, id="a Completed state stands"),
+    pytest.param(FAILED, False, False, 3, 2, False, CONCLUDE, id="a Failed state stands"),
+]
+
+
+@pytest.mark.parametrize(
+    (
+        "state_type",
+        "cancelled",
+        "preempted",
+        "preemptions_left",
+        "retries_left",
+        "never_ran",
+        "step",
+    ),
+    ROWS,
+)
+def test_after_a_pod_that_left_no_report(
+    state_type, cancelled, preempted, preemptions_left, retries_left, never_ran, step
+):
+    assert (
+        after_silent_end(
+            state_type=state_type,
+            cancelled=cancelled,
+            preempted=preempted,
+            preemptions_left=preemptions_left,
+            retries_left=retries_left,
+            pod_never_ran_the_task=never_ran,
+        )
+        == step
+    )
