@@ -89,7 +89,7 @@ def test_eight_tasks_on_two_nodes_all_complete_waiting_for_capacity_past_the_pen
     assert _pod_event_reads(cluster) == 0  # the scheduler's message alone says it waits
 
 
-def test_a_pod_asking_for_an_accelerator_no_node_pool_has_fails_within_the_pending_timeout(
+def test_a_pod_asking_for_an_accelerator_no_node_pool_has_fails_naming_its_pending_timeout(
     gke, cluster
 ):
     from tests.emulated.test_kubernetes_backend import _failed_run
@@ -97,7 +97,7 @@ def test_a_pod_asking_for_an_accelerator_no_node_pool_has_fails_within_the_pendi
     cluster.kubelet.nodes.extend(gke_nodes("l4-pool", "l4", 4))
     runner = _runner(gke, accelerator="tpu-v5e-4", pending_timeout_seconds=PENDING_TIMEOUT)
 
-    started = time.monotonic()
+    # When it fails is tests/unit/test_outcome_deadlines.py's (a fake clock); this is the wiring.
     state, message, _ = _failed_run(runner, echo)
 
     assert state == "FAILED"
@@ -108,7 +108,6 @@ def test_a_pod_asking_for_an_accelerator_no_node_pool_has_fails_within_the_pendi
         "added): 1 node(s) didn't match Pod's node affinity/selector)"
     ) in message
     assert f"longer than pending_timeout_seconds={PENDING_TIMEOUT:g}" in message
-    assert time.monotonic() - started < PENDING_TIMEOUT + 15
     wait_until(lambda: cluster.jobs() == [], 30, "the Job to be deleted")
 
 

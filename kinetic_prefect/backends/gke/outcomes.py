@@ -67,8 +67,11 @@ class OutcomeTracker:
         probe_events: Callable[[TrackedJob], None],
         on_queued: Callable[[TrackedJob], None] | None = None,
         intervals: Intervals | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._jobs = jobs
+        # Every deadline here is on this clock (tests drive a fake one through `advance`).
+        self._clock = clock
         # The settle margins and event probes (docs/intervals.md).
         self.intervals = intervals or Intervals()
         self.cancel_grace_seconds = cancel_grace_seconds
@@ -83,7 +86,7 @@ class OutcomeTracker:
 
     def start_clock(self, job: TrackedJob) -> None:
         """The job's Job was just created: its pending timeout and event probes count from now."""
-        job.created_at = time.monotonic()
+        job.created_at = self._clock()
         if suspended(job.manifest):
             self._queued(job)
         else:
@@ -109,14 +112,14 @@ class OutcomeTracker:
             if job.admitted_at is not None and not pod_started(job.pod):
                 self._queued(job)  # evicted by Kueue before its pod started
         elif job.admitted_at is None:
-            self._admitted(job, time.monotonic())
+            self._admitted(job, self._clock())
             queue = queue_name_of(job.job)
             if queue:
                 self._report_pending(job, f"admitted by Kueue from LocalQueue {queue}")
 
     def settle_after_cancel(self, job: TrackedJob) -> None:
         """The job's Job was deleted: give its pod the cancel grace to report how it ended."""
-        job.settle_by = time.monotonic() + self.settle_seconds()
+        job.settle_by = self._clock() + self.settle_seconds()
         self.evaluate(job)
         self.poke()
 
@@ -152,7 +155,7 @@ class OutcomeTracker:
             if job.settle_by is None:
                 alive = pod is not None and not job.pod_gone
                 wait = self.settle_seconds() if alive else self.intervals.pod_gone_settle_seconds
-                job.settle_by = time.monotonic() + wait
+                job.settle_by = self._clock() + wait
                 self.poke()
             return
         waiting = pending(pod, job.manifest, job.pod_events) if pod is not None else None
@@ -167,7 +170,7 @@ class OutcomeTracker:
 
     def _track_capacity_wait(self, job: TrackedJob, waits: bool) -> None:
         """Open or close the job's current wait for capacity (it stops the pending clock)."""
-        now = time.monotonic()
+        now = self._clock()
         if waits and job.capacity_since is None:
             job.capacity_since, job.capacity_since_wall = now, time.time()
             self.poke()
@@ -180,7 +183,7 @@ class OutcomeTracker:
         """Seconds the job has waited for capacity, the current wait included."""
         ongoing = 0.0
         if job.capacity_since is not None:
-            ongoing = (time.monotonic() if now is None else now) - job.capacity_since
+            ongoing = (self._clock() if now is None else now) - job.capacity_since
         return job.capacity_waited + ongoing
 
     def _conclude_as_known(self, job: TrackedJob) -> None:
@@ -203,17 +206,21 @@ class OutcomeTracker:
         """A deadline changed: recompute when the timers next need to run."""
         self._wake.set()
 
+    def advance(self, now: float | None = None) -> float | None:
+        """Act on every deadline due by `now` (the clock's time by default): fail a pod
+        past its pending or queue timeout, probe events, conclude a job whose settle time
+        is up. Returns when the next deadline falls, None when none is pending."""
+        now = self._clock() if now is None else now
+        moments = [self._tick(job, now) for job in list(self._jobs.values())]
+        upcoming = [moment for moment in moments if moment is not None]
+        return min(upcoming) if upcoming else None
+
     async def run(self) -> None:
         """Pending timeouts, event probes for pod-less Jobs, and settle deadlines."""
         while True:
-            now = time.monotonic()
-            upcoming: list[float] = []
-            for job in list(self._jobs.values()):
-                moment = self._tick(job, now)
-                if moment is not None:
-                    upcoming.append(moment)
+            moment = self.advance()
             self._wake.clear()
-            timeout = max(0.0, min(upcoming) - time.monotonic()) if upcoming else None
+            timeout = max(0.0, moment - self._clock()) if moment is not None else None
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
 
