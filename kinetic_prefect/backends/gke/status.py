@@ -37,6 +37,13 @@ _MISSING_SERVICE_ACCOUNT = re.compile(
     r'serviceaccount "[^"]*" not found'
 )
 _CONFIG_WAITING_REASONS = {"CreateContainerConfigError", "CreateContainerError"}
+# The kubelet's eviction messages for a pod over its own limits (eviction manager's
+# podEphemeralStorageMessageFmt, containerEphemeralStorageMessageFmt, emptyDirMessageFmt).
+_OWN_LIMIT_EVICTIONS = (
+    "exceeds the total limit of containers",
+    "exceeded its local ephemeral storage limit",
+    "Usage of EmptyDir volume",
+)
 _DISRUPTIONS = {
     "PreemptionByScheduler": "preempted by the scheduler for a higher-priority pod",
     "TerminationByKubelet": "preempted: the node is shutting down (spot or maintenance)",
@@ -121,11 +128,12 @@ def pod_outcome(
     exit_code = terminated.get("exitCode")
     signal = terminated.get("signal")
     disruption = true_condition(pod, "DisruptionTarget")
-    if disruption is not None:
+    # A node-pressure eviction carries TerminationByKubelet too: its own reason says more.
+    if status.get("reason") == "Evicted":
+        reason = f"Evicted: {status.get('message') or 'the node ran out of resources'}"
+    elif disruption is not None:
         what = _DISRUPTIONS.get(str(disruption.get("reason")), "preempted")
         reason = f"{what} ({disruption.get('reason')}: {disruption.get('message') or ''})"
-    elif status.get("reason") == "Evicted":
-        reason = f"Evicted: {status.get('message') or 'the node ran out of resources'}"
     elif terminated.get("reason") == "OOMKilled":
         reason = "OOMKilled: the container exceeded its memory limit"
     elif job_failure(job):
@@ -142,11 +150,21 @@ def pod_outcome(
 
 
 def infrastructure_took(pod: Mapping[str, Any] | None) -> bool:
-    """True when Kubernetes took the pod away (preemption, eviction, node loss), not the task."""
+    """True when Kubernetes took the pod away (preemption, eviction, node loss), not the task.
+
+    A pod evicted for going over its own ephemeral-storage limits is the task's doing:
+    it would be again on any node (the kubelet gives it no DisruptionTarget for that).
+    """
     status = (pod or {}).get("status") or {}
+    if status.get("reason") == "Evicted" and any(
+        words in str(status.get("message") or "") for words in _OWN_LIMIT_EVICTIONS
+    ):
+        return False
     return true_condition(pod, "DisruptionTarget") is not None or status.get("reason") in (
         "Evicted",
         "NodeLost",
+        # A node shutting down (a reclaimed spot VM) rejects the pod at admission.
+        "NodeShutdown",
         "Shutdown",
         "Terminated",
     )
