@@ -11,16 +11,17 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_TO_API_BATCH_INTERVAL", "0.3")
 # The suite's intervals (docs/intervals.md's last column): this process, the flow processes
 # and workers it starts, and through their manifests every pod, wait this long.
-SUITE_INTERVALS = {
-    "settle_margin_seconds": 10,
-    "pod_gone_settle_seconds": 2,
-    "events_probe_seconds": 3,
-    "events_probe_interval_seconds": 5,
-    "queue_poll_seconds": 2,
-    "flow_run_look_seconds": 3,
-    "watchdog_look_seconds": 3,
-}
-os.environ["KINETIC_INTERVALS"] = json.dumps(SUITE_INTERVALS)
+os.environ["KINETIC_INTERVALS"] = json.dumps(
+    {
+        "settle_margin_seconds": 10,
+        "pod_gone_settle_seconds": 2,
+        "events_probe_seconds": 3,
+        "events_probe_interval_seconds": 5,
+        "queue_poll_seconds": 2,
+        "flow_run_look_seconds": 3,
+        "watchdog_look_seconds": 3,
+    }
+)
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -34,6 +35,8 @@ from tests.support.gcs_iam import IamProxy
 from tests.support.kube import KubeCluster, running_cluster
 from tests.support.prefect_server import migrated_database
 from tests.support.scheduling import SuiteScheduling
+
+SUITE_INTERVALS: dict[str, float] = json.loads(os.environ["KINETIC_INTERVALS"])
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:

@@ -10,6 +10,7 @@ process that is gone cannot mark anything: its pods end after the orphan timeout
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -17,8 +18,9 @@ import pytest
 from prefect import get_client
 from prefect.states import Cancelling
 
-from kinetic_prefect.pod.watchdog import LOOK_SECONDS
-from kinetic_prefect.runner.lease import FLOW_RUN_LOOK_SECONDS
+from kinetic_prefect.backends.local.pods import read_pod
+from kinetic_prefect.common.intervals import Intervals
+from kinetic_prefect.launch.manifest import LABEL_FLOW_RUN_ID
 from tests.conftest import GcsTestBucket
 from tests.emulated.test_reattach import (
     SIGTERM_SLACK,
@@ -35,15 +37,34 @@ from tests.support.waiting import wait_until
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_api", "workdir")]
 
 ORPHAN_TIMEOUT = 60
-# The runner's look at the flow run, then the pod's look at the lease.
-NOTICE = min(FLOW_RUN_LOOK_SECONDS, ORPHAN_TIMEOUT / 4) + min(LOOK_SECONDS, ORPHAN_TIMEOUT / 4)
 OPTIONS = {"orphan_timeout": ORPHAN_TIMEOUT, "steps": 200, "pause": 1.0}
+# What the pod's watchdog says as it ends the pod for a lease marked cancelled.
+ENDED_BY_THE_LEASE = "nobody owns this pod: the runner marked its lease: the flow run is cancelled"
+
+
+def _notice() -> float:
+    """The runner's look at the flow run, then the pod's look at the lease (at the intervals
+    the flow process and its pods get from this environment)."""
+    intervals = Intervals.from_environ(os.environ)
+    return min(intervals.flow_run_look_seconds, ORPHAN_TIMEOUT / 4) + min(
+        intervals.watchdog_look_seconds, ORPHAN_TIMEOUT / 4
+    )
 
 
 def _cancel(flow_run_id: str) -> float:
     with get_client(sync_client=True) as client:
         client.set_flow_run_state(flow_run_id, Cancelling(), force=True)
     return time.monotonic()
+
+
+def _local_pod_logs(workdir: Path, flow_run_id: str) -> list[str]:
+    pods_dir = workdir / ".kinetic" / "pods"
+    pods = [read_pod(pods_dir, path.stem) for path in sorted(pods_dir.glob("*.json"))]
+    return [
+        pod.log_path.read_text()
+        for pod in pods
+        if pod is not None and pod.labels.get(LABEL_FLOW_RUN_ID) == flow_run_id
+    ]
 
 
 def test_cancelling_a_flow_run_ends_its_local_pods_through_the_lease(workdir: Path):
@@ -53,10 +74,22 @@ def test_cancelling_a_flow_run_ends_its_local_pods_through_the_lease(workdir: Pa
 
         cancelled = _cancel(flow_run_id)
         wait_until(lambda: not _live_pods(workdir, flow_run_id), 120, "the pod to end")
-
-        assert time.monotonic() - cancelled < NOTICE + SIGTERM_SLACK < ORPHAN_TIMEOUT
+        ended_after = time.monotonic() - cancelled
     finally:
         _kill(process)
+
+    assert ended_after < _notice() + SIGTERM_SLACK < ORPHAN_TIMEOUT
+    # The pod ended itself for its lease; the runner stopping it would say so in its log.
+    (log,) = _local_pod_logs(workdir, flow_run_id)
+    assert ENDED_BY_THE_LEASE in log
+    assert "(stopped by the runner)" not in log
+
+
+def _pod_log(cluster: KubeCluster, job_name: str) -> Path:
+    """The log of the Job's one pod, as the kubelet writes it and the API serves it."""
+    logs = cluster.call(lambda: dict(cluster.emulator.log_files))
+    (path,) = [path for (_, pod), path in logs.items() if pod.startswith(f"{job_name}-")]
+    return path
 
 
 def test_cancelling_a_flow_run_ends_its_jobs_through_the_lease(
@@ -64,11 +97,22 @@ def test_cancelling_a_flow_run_ends_its_jobs_through_the_lease(
 ):
     process, flow_run_id = _started_training(_gcs_checkpoints(gcs), cluster=gke, **OPTIONS)
     try:
-        assert cluster.jobs()
+        (job,) = cluster.jobs()
+        pod_log = _pod_log(cluster, job["metadata"]["name"])
 
         cancelled = _cancel(flow_run_id)
         wait_until(lambda: not cluster.jobs(), 120, "the Job to be deleted")
-
-        assert time.monotonic() - cancelled < NOTICE + SIGTERM_SLACK + TTL < ORPHAN_TIMEOUT
+        gone_after = time.monotonic() - cancelled
     finally:
         _kill(process)
+
+    assert gone_after < _notice() + SIGTERM_SLACK + TTL < ORPHAN_TIMEOUT
+    # The pod ended itself for its lease and its Job went after its TTL: no client (the
+    # runner, the CLI) deleted a Job or a pod, as the API server's request log shows.
+    deleted = [
+        r.resource.plural
+        for r in cluster.client_requests()
+        if r.method == "DELETE" and r.resource is not None and r.resource.plural in {"jobs", "pods"}
+    ]
+    assert deleted == []
+    assert ENDED_BY_THE_LEASE in pod_log.read_text()

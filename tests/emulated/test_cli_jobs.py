@@ -345,6 +345,11 @@ def test_doctor_lists_every_verb_a_user_without_the_binding_lacks(gke_block, clu
     for verb in ("create jobs.batch", "watch pods", "get pods/log", "create secrets"):
         assert verb in rbac
     assert "sed s/USER/YOUR_ACCOUNT/ deployments/k8s/user-binding.yaml | kubectl apply" in rbac
+    # The cluster refused only the user's two direct looks (RBAC is asked by access review).
+    assert sorted((c, m, p.partition("?")[0]) for c, m, p, _ in cluster.refusals()) == [
+        (403, "GET", "/api/v1/namespaces/default/serviceaccounts/kinetic-prefect-runner"),
+        (403, "GET", "/apis/batch/v1/namespaces/default/jobs"),
+    ]
 
 
 def test_doctor_fails_a_loopback_prefect_api_for_the_gke_backend(gke_block):

@@ -75,19 +75,38 @@ def test_local_directory_arrives_in_the_pod_with_the_same_bytes(storage, workdir
     assert _run_digest(runner, Data(dataset)) == tree_digest(str(dataset))
 
 
+def _stored_files(store: Path) -> dict[str, tuple[int, int, int, int]]:
+    """Every file of the local jobs store's data cache and markers: (size, inode, mtime, ctime).
+
+    The local store writes a file whole and renames it into place, so writing one again
+    gives it another inode and ctime whatever its bytes.
+    """
+    stored = {}
+    for prefix in ("data-cache", "data-markers"):
+        for path in (store / prefix).rglob("*"):
+            if path.is_file():
+                info = path.stat()
+                key = path.relative_to(store).as_posix()
+                stored[key] = (info.st_size, info.st_ino, info.st_mtime_ns, info.st_ctime_ns)
+    return stored
+
+
 def test_same_200_mb_directory_submitted_twice_is_uploaded_once(workdir):
     dataset = _dataset(workdir / "big", files=50, size=4 * 1024 * 1024)
+    store = workdir / ".kinetic"
 
     @flow(task_runner=KineticTaskRunner())
-    def run() -> list[int]:
-        uploads = []
-        for _ in range(2):
-            future = digest_in_pod.submit(Data(dataset))
-            future.wait()
-            uploads.append(future.data_bytes_uploaded)
-        return uploads
+    def run() -> tuple[list[dict[str, str]], dict[str, tuple[int, int, int, int]]]:
+        first = digest_in_pod.submit(Data(dataset)).result()
+        stored_first = _stored_files(store)
+        return [first, digest_in_pod.submit(Data(dataset)).result()], stored_first
 
-    assert run() == [200 * 1024 * 1024, 0]
+    seen, stored_first = run()
+    cached = {name: size for name, (size, *_) in stored_first.items() if "data-cache/" in name}
+
+    assert seen == [tree_digest(str(dataset))] * 2
+    assert (len(cached), sum(cached.values())) == (50, 200 * 1024 * 1024)
+    assert _stored_files(store) == stored_first
 
 
 def _upload_to_bucket(gcs, local: Path, prefix: str) -> None:

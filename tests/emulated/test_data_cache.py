@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import random
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from prefect import flow, task, unmapped
-from prefect.context import FlowRunContext
 
 from kinetic_prefect import Data, KineticTaskRunner
-from kinetic_prefect.data.upload import HashingReader, LocalDataHashes
+from kinetic_prefect.data.upload import HashingReader, LocalDataHashes, hash_local
 from kinetic_prefect.errors import PodPhaseError
 from tests.emulated.test_data import _upload_to_bucket, digest_in_pod, tree_digest
 from tests.support.clusters import gcs_cluster
@@ -54,10 +54,14 @@ def sha256_of(index: int, file: str) -> str:
     return hashlib.sha256(Path(file).read_bytes()).hexdigest()
 
 
+def _data_uploads(gcs, prefix: str = "data-cache/", since: int = 0) -> list[str]:
+    """The objects under `prefix` of the uploads GCS was sent after the first `since` (the
+    IAM proxy's record of every upload begun), sorted."""
+    return sorted(name for name in gcs.iam.uploaded[since:] if name.startswith(prefix))
+
+
 @pytest.mark.slow
-def test_64_mib_file_and_300_mib_tree_are_verified_in_the_pod_uploaded_once_hashed_once(
-    gcs, workdir
-):
+def test_64_mib_file_and_300_mib_tree_are_verified_in_the_pod_and_uploaded_once(gcs, workdir):
     rng = random.Random(7)
     big = _write_random(workdir / "weights.bin", 64 * MIB, rng)
     tree = _mixed_tree(workdir / "corpus", rng)
@@ -65,28 +69,23 @@ def test_64_mib_file_and_300_mib_tree_are_verified_in_the_pod_uploaded_once_hash
     runner = KineticTaskRunner(cluster=gcs_cluster(gcs, "data-big"), max_parallel=4, warm_pods=True)
 
     @flow(task_runner=runner)
-    def run() -> tuple[object, int, list[int], list[str], int]:
+    def run() -> tuple[object, list[str]]:
         file, directory = Data(big), Data(tree)
         first = digests_of.submit(file, directory)
         first.wait()
         again = sha256_of.map(range(8), file=unmapped(file))
-        results = [f.result() for f in again]
-        hashes = FlowRunContext.get().task_runner._launcher.resources.data_hashes.hash_count  # type: ignore[union-attr]
-        return (
-            first.result(),
-            first.data_bytes_uploaded,
-            [f.data_bytes_uploaded for f in again],
-            results,
-            hashes,
-        )
+        return first.result(), [f.result() for f in again]
 
-    seen, uploaded_first, uploaded_again, file_hashes, hash_count = run()
+    seen, file_hashes = run()
+    stored = gcs.client.list_blobs(gcs.name, prefix="data-cache/")
 
     assert seen == {"file": tree_digest(str(big)), "directory": tree_digest(str(tree))}
-    assert uploaded_first == 364 * MIB
-    assert uploaded_again == [0] * 8
     assert file_hashes == [_file_sha256(big)] * 8
-    assert hash_count == 2
+    # The file, and the tree's 3 large, 1500 small and one medium file: each uploaded once.
+    assert _data_uploads(gcs) == gcs.names("data-cache/")
+    assert len(_data_uploads(gcs)) == 1 + 1504
+    assert sum(blob.size for blob in stored) == 364 * MIB
+    assert len(_data_uploads(gcs, "data-markers/")) == 2
 
 
 def test_gcs_prefix_resolves_to_exactly_its_objects_not_a_sibling_sharing_its_name(gcs, workdir):
@@ -153,14 +152,20 @@ def _small_tree(root: Path) -> Path:
 def test_hash_cache_reuses_a_hash_until_a_file_is_replaced(workdir):
     tree = _small_tree(workdir / "tree")
     hashes = LocalDataHashes()
+    first = hashes.content(tree)
+    edited = tree / "part" / "f-0.bin"
+    kept = edited.stat()
+    # Other bytes at the same size, inode and mtime: only hashing the file again sees them.
+    with edited.open("r+b") as handle:
+        handle.write(bytes(4096))
+    os.utime(edited, ns=(kept.st_atime_ns, kept.st_mtime_ns))
 
-    first, second = hashes.content(tree), hashes.content(tree)
-    count_while_unchanged = hashes.hash_count
+    reused = hashes.content(tree)
     _write_random(workdir / "new.bin", 4096, random.Random(99)).replace(tree / "part" / "f-3.bin")
-    third = hashes.content(tree)
+    after_replacing = hashes.content(tree)
 
-    assert (second, count_while_unchanged) == (first, 1)
-    assert (hashes.hash_count, third.sha256 != first.sha256) == (2, True)
+    assert reused.sha256 == first.sha256
+    assert after_replacing.sha256 == hash_local(tree).sha256 != first.sha256
 
 
 def _cached_object(gcs, relative: str) -> object:
@@ -168,12 +173,10 @@ def _cached_object(gcs, relative: str) -> object:
     return gcs.client.bucket(gcs.name).blob(name)
 
 
-def _submit_once(runner: KineticTaskRunner, data: Data) -> tuple[int, dict[str, str]]:
+def _submit_once(runner: KineticTaskRunner, data: Data) -> dict[str, str]:
     @flow(task_runner=runner)
-    def run() -> tuple[int, dict[str, str]]:
-        future = digest_in_pod.submit(data)
-        seen = future.result()
-        return future.data_bytes_uploaded, seen
+    def run() -> dict[str, str]:
+        return digest_in_pod.submit(data).result()
 
     return run()
 
@@ -196,11 +199,16 @@ def test_tampered_data_cache_object_is_refused_in_the_pod_naming_the_file(gcs, w
 def test_cached_objects_missing_or_resized_are_uploaded_again_before_reuse(gcs, workdir):
     tree = _small_tree(workdir / "tree")
     runner = KineticTaskRunner(cluster=gcs_cluster(gcs, "data-resized"))
-    uploaded_first, _ = _submit_once(runner, Data(tree))
+    _submit_once(runner, Data(tree))
+    uploaded_first = _data_uploads(gcs)
+    # As an administrator, straight to GCS: the IAM proxy sees none of this.
     _cached_object(gcs, "part/f-1.bin").delete()
     _cached_object(gcs, "part/f-2.bin").upload_from_string(b"short")
+    before = len(gcs.iam.uploaded)
 
-    uploaded_again, seen = _submit_once(runner, Data(tree))
+    seen = _submit_once(runner, Data(tree))
+    uploaded_again = _data_uploads(gcs, since=before)
 
-    assert (uploaded_first, uploaded_again) == (4 * 4096, 2 * 4096)
+    assert [name.rpartition("/")[2] for name in uploaded_first] == [f"f-{i}.bin" for i in range(4)]
+    assert [name.rpartition("/")[2] for name in uploaded_again] == ["f-1.bin", "f-2.bin"]
     assert seen == tree_digest(str(tree))

@@ -9,7 +9,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
+import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from prefect import flow, task
@@ -227,29 +229,46 @@ def test_the_orchestrator_acts_as_the_clusters_gcp_credentials_and_pods_never_ge
     assert leaks(secret_parts, artifacts) == []
 
 
-def test_a_cold_task_pod_makes_four_gcs_requests_and_looks_no_bucket_up(gke, cluster, gcs):
+def _lease_look_seconds(job: dict[str, Any]) -> float:
+    """How often the pod of `job` reads its lease: every min(orphan timeout / 4,
+    watchdog_look_seconds) (docs/restarts.md), with the values its manifest gives it."""
+    from kinetic_prefect.common.env import ORPHAN_TIMEOUT_ENV
+    from kinetic_prefect.common.intervals import Intervals
+
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    env = {item["name"]: item.get("value", "") for item in container["env"]}
+    timeout = float(env.get(ORPHAN_TIMEOUT_ENV, "300"))
+    return min(max(timeout / 4, 0.5), Intervals.from_environ(env).watchdog_look_seconds)
+
+
+def test_a_cold_task_pod_makes_four_gcs_requests_and_its_paced_lease_reads_and_no_bucket_lookup(
+    gke, cluster, gcs
+):
     @flow(task_runner=KineticTaskRunner(cluster=gke, allow_loopback_api=True, warm_pods=False))
     def cubes() -> list[int]:
         return [f.result() for f in cube.map([1, 2, 3, 4])]
 
+    started = time.monotonic()
     assert cubes() == [1, 8, 27, 64]
+    wall = time.monotonic() - started
 
     # A node fetches the shipped environment once (whichever pod comes first): not per task.
-    # A pod's watchdog reads the lease every 15 s it lives (a pod that starts slowly on a
-    # busy machine lives longer): per second of pod life, not per task.
-    pods = [
+    requests = [
         (m, p)
         for member, m, p in gcs.iam.requests
-        if member == PODS_MEMBER
-        and "env-cache" not in p
-        and ENVIRONMENTS_BUCKET not in p
-        and "leases%2F" not in p
+        if member == PODS_MEMBER and "env-cache" not in p and ENVIRONMENTS_BUCKET not in p
     ]
+    lease_reads = [p for _, p in requests if "leases%2F" in p]
+    pods = [(m, p) for m, p in requests if "leases%2F" not in p]
     # Each pod: payload and code down; the result record (its seal in its metadata) and the
     # final state up.
     assert len(pods) == 4 * 4, pods
     assert [p for _, p in pods if re.fullmatch(r"/storage/v1/b/[^/?]+(\?.*)?", p)] == []
     assert [p for _, p in pods if "result-seals" in p] == []
+    # A pod's watchdog reads the lease once per look interval it lives (a pod that starts
+    # slowly on a busy machine lives longer), and each of the four lived within the flow.
+    (every,) = {_lease_look_seconds(job) for job in cluster.created_jobs()}
+    assert len(lease_reads) <= 4 * (1 + wall / every), (len(lease_reads), wall, every)
 
 
 def test_jobs_bucket_check_says_a_missing_bucket_does_not_exist(gcs):
@@ -285,6 +304,7 @@ def test_a_task_pod_stores_its_result_without_the_bucket_lookup_prefects_block_m
     assert len(gcs.names("results/")) == 1
 
 
+@pytest.mark.lowest_prefect
 def test_a_task_pod_that_cannot_write_the_results_bucket_fails_naming_storage_objects_create(
     gke, cluster, gcs
 ):

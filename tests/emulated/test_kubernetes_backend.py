@@ -34,7 +34,6 @@ from tests.runner.test_task_runner import raise_in_a_pod
 from tests.support.gcs_iam import PODS_MEMBER
 from tests.support.kube import TESTER, KubeCluster
 from tests.support.kube_auth import User
-from tests.support.kube_objects import Node
 from tests.support.waiting import wait_for_task_run_state, wait_until
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
@@ -107,6 +106,24 @@ def test_mapped_results_come_back_from_job_pods_through_gcs_result_storage(gke, 
     assert sorted(j["metadata"]["name"] for j in cluster.created_jobs()) == sorted(job_ids)
     assert len(gcs.names("results/")) >= 3
     assert all(f"kinetic/{job_id}/final-state.json" in gcs.names("kinetic/") for job_id in job_ids)
+
+
+def test_a_twelve_task_map_costs_under_3_kubernetes_api_requests_per_task(gke, cluster):
+    cluster.kubelet.run_containers = False  # the pod ends with exit 0 as soon as it runs
+    set_up = len(cluster.client_requests())  # the administrator's, before the flow
+
+    @flow(task_runner=_runner(gke))
+    def fan_out() -> list[str]:
+        futures = trivial.map(range(12))
+        wait(futures)
+        return [f.job_id for f in futures]
+
+    job_ids = fan_out()
+
+    # Watches, not polls: the count does not grow with how long the pods take (the
+    # benchmark bench_kube_scale.py prints it at 100 and 500 tasks).
+    assert len(cluster.created_jobs()) == len(set(job_ids)) == 12
+    assert len(cluster.client_requests()) - set_up < 3 * 12
 
 
 def test_a_pod_sees_its_manifests_env_but_not_a_variable_set_only_in_the_test_process(
@@ -382,7 +399,6 @@ def _watches_reopened_with(cluster: KubeCluster, token: str) -> set[str]:
 
 def test_a_watch_answered_401_once_fails_no_task(gke, cluster, workdir):
     gate = workdir / "gate"
-    cluster.refusals_expected = True
 
     def refuse_once() -> None:
         cluster.fail_next("get", "pods", *UNAUTHORIZED, watch=True)
@@ -406,8 +422,6 @@ def test_a_rotated_token_in_the_kubeconfig_is_picked_up_when_the_old_one_is_refu
 ):
     gate = workdir / "gate"
     old_token = cluster.kubeconfig_dict()["users"][0]["user"]["token"]
-
-    cluster.refusals_expected = True
 
     def rotate() -> None:
         # The same user, a new token (GKE's bound tokens rotate hourly).
@@ -434,7 +448,6 @@ def test_credentials_refused_for_good_fail_the_task_after_the_bound_saying_since
     gke, cluster, workdir
 ):
     refused_at: list[float] = []
-    cluster.refusals_expected = True
 
     def refuse_for_good() -> None:
         refused_at.append(time.monotonic())
@@ -463,47 +476,20 @@ def test_credentials_refused_for_good_fail_the_task_after_the_bound_saying_since
 PENDING_TIMEOUT = 3.0
 
 
+# Which reasons a waiting pod gives, and when it fails, are tables
+# (tests/unit/test_gke_status.py, test_gke_decisions.py, test_outcome_deadlines.py); the
+# wiring of a pod that never starts (the run fails with the reason, the Job is deleted,
+# no retry) is this case's.
 def test_image_pull_error_fails_the_task_run_naming_the_image_and_deletes_its_job(gke, cluster):
     cluster.kubelet.missing_images.add(MISSING_IMAGE)
     runner = _runner(gke, container_image=MISSING_IMAGE, pending_timeout_seconds=PENDING_TIMEOUT)
 
-    started = time.monotonic()
     state, message, _ = _failed_run(runner)
 
     assert state == "FAILED"
     assert f"cannot pull image {MISSING_IMAGE} (ImagePullBackOff" in message
     assert f"longer than pending_timeout_seconds={PENDING_TIMEOUT:g}" in message
-    assert time.monotonic() - started < PENDING_TIMEOUT + 15
     assert len(cluster.created_jobs()) == 1
-    wait_until(lambda: cluster.jobs() == [], 30, "the Job to be deleted")
-
-
-@pytest.mark.parametrize(
-    ("node", "scheduler_says"),
-    [
-        (Node(), "didn't match Pod's node affinity/selector"),
-        (
-            Node(
-                labels={"cloud.google.com/gke-accelerator": "nvidia-l4"},
-                allocatable={"nvidia.com/gpu": 0},
-            ),
-            "Insufficient nvidia.com/gpu",
-        ),
-    ],
-)
-def test_unschedulable_pod_fails_naming_the_missing_accelerator_and_deletes_its_job(
-    gke, cluster, node, scheduler_says
-):
-    cluster.kubelet.nodes = [node]
-    runner = _runner(gke, accelerator="l4", pending_timeout_seconds=PENDING_TIMEOUT)
-
-    started = time.monotonic()
-    state, message, _ = _failed_run(runner)
-
-    assert state == "FAILED"
-    assert scheduler_says in message
-    assert time.monotonic() - started < PENDING_TIMEOUT + 15
-    assert "accelerator l4 needs a node with cloud.google.com/gke-accelerator=nvidia-l4" in message
     wait_until(lambda: cluster.jobs() == [], 30, "the Job to be deleted")
 
 
@@ -528,11 +514,12 @@ def test_quota_error_shows_as_the_pending_message_before_the_run_fails(gke, clus
 # -- pods that Kubernetes ends --------------------------------------------------------------
 
 
+# The reason for each way Kubernetes ends a pod is a row of tests/unit/test_gke_decisions.py;
+# these two differ in wiring: a preempted pod is relaunched until its budget runs out, a
+# pod past its deadline is gone before its Job says why.
 @pytest.mark.parametrize(
     ("fault", "reason"),
     [
-        ("oom", "OOMKilled"),
-        ("evict", "Evicted: The node was low on resource: memory"),
         ("preempt", "preempted: the node is shutting down"),
         ("deadline", "DeadlineExceeded: Job was active longer than specified deadline"),
     ],

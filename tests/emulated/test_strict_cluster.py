@@ -133,8 +133,9 @@ def test_the_job_controller_retries_a_pod_refused_for_its_account_until_the_acco
 
 def test_a_request_without_a_known_token_is_unauthorized(cluster):
     cluster.refusals_expected = True
+    pods = "/api/v1/namespaces/default/pods"
     for token in ("", "no-such-token", service_account_token("default", "nobody")):
-        status, answer = cluster.request_as(token, "GET", "/api/v1/namespaces/default/pods")
+        status, answer = cluster.request_as(token, "GET", pods)
 
         assert (status, answer) == (
             401,
@@ -148,6 +149,7 @@ def test_a_request_without_a_known_token_is_unauthorized(cluster):
                 "code": 401,
             },
         )
+    assert cluster.refusals() == [(401, "GET", pods, "Unauthorized")] * 3
 
 
 def test_the_runner_identity_may_not_delete_pods(cluster):
@@ -161,6 +163,9 @@ def test_the_runner_identity_may_not_delete_pods(cluster):
         'group "" in the namespace "default"'
     )
     assert answer["details"] == {"name": "x", "kind": "pods"}
+    assert cluster.refusals() == [
+        (403, "DELETE", "/api/v1/namespaces/default/pods/x", answer["message"])
+    ]
 
 
 def test_the_runner_identity_may_do_what_its_role_grants_and_nothing_in_another_namespace(
@@ -178,6 +183,26 @@ def test_the_runner_identity_may_do_what_its_role_grants_and_nothing_in_another_
         f'jobs.batch is forbidden: User "{RUNNER_USER}" cannot list resource "jobs" in API '
         'group "batch" in the namespace "ml"'
     )
+    assert cluster.refusals() == [(403, "GET", jobs.format("ml"), answer["message"])]
+
+
+def test_a_refusal_stays_logged_apart_from_injected_errors_and_later_requests_are_served(
+    cluster,
+):
+    cluster.refusals_expected = True
+    secrets = "/api/v1/namespaces/default/secrets"
+    refused, answer = cluster.request_as(RUNNER, "DELETE", "/api/v1/namespaces/default/pods/x")
+    cluster.refuse(429, "TooManyRequests", "injected", plural="secrets")
+
+    served = cluster.request_as(RUNNER, "GET", "/apis/batch/v1/namespaces/default/jobs")[0]
+    injected = cluster.request_as(cluster.admin.token, "GET", secrets)[0]
+    cluster.stop_refusing()
+    lifted = cluster.request_as(cluster.admin.token, "GET", secrets)[0]
+
+    assert (refused, served, injected, lifted) == (403, 200, 429, 200)
+    assert cluster.refusals() == [
+        (403, "DELETE", "/api/v1/namespaces/default/pods/x", answer["message"])
+    ]
 
 
 def test_without_its_binding_the_users_requests_are_forbidden_and_the_error_says_what_to_do(
@@ -196,6 +221,17 @@ def test_without_its_binding_the_users_requests_are_forbidden_and_the_error_says
         message
     )
     assert cluster.jobs() == []
+    # That first request, and nothing after it.
+    ((code, method, path, refused),) = cluster.refusals()
+    assert (code, method, path.partition("?")[0]) == (
+        403,
+        "GET",
+        "/apis/batch/v1/namespaces/default/jobs",
+    )
+    assert refused == (
+        'jobs.batch is forbidden: User "tester" cannot list resource "jobs" in API group "batch" '
+        'in the namespace "default"'
+    )
 
 
 # -- SelfSubjectAccessReview ---------------------------------------------------------------

@@ -26,7 +26,7 @@ from kinetic_prefect import KineticTaskRunner
 from kinetic_prefect.runner.task_launch import TaskLaunch
 from tests.support.waiting import wait_until
 
-pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
+pytestmark = [pytest.mark.lowest_prefect, pytest.mark.usefixtures("prefect_api", "workdir")]
 
 CANCEL_GRACE = 3
 
@@ -74,21 +74,13 @@ async def independent() -> int:
     return 74088
 
 
-@task
-def sleep_after_all_started(seconds: float, started_dir: str, count: int) -> float:
-    """Sleeps `seconds` once `count` tasks have started: pod start-up skew cannot reorder them."""
-    Path(started_dir, str(os.getpid())).touch()
-    wait_until(lambda: len(os.listdir(started_dir)) >= count, 120, "every task to start")
-    time.sleep(seconds)
-    return seconds
-
-
 @flow(task_runner=KineticTaskRunner(cancel_grace_seconds=CANCEL_GRACE))
-def leave_a_chain_unfinished(gate: str, finish: str) -> None:
-    """Leaves `a -> b -> c` unfinished by returning or raising."""
+def leave_a_chain_unfinished(gate: str, finish: str, left_at: str) -> None:
+    """Leaves `a -> b -> c` unfinished by returning or raising; writes when it left to `left_at`."""
     a = wait_for_file.submit(gate)
     b = plus_one.submit(1, wait_for=[a])
     plus_one.submit(b)
+    Path(left_at).write_text(repr(time.time()))
     if finish == "raise":
         raise RuntimeError("leaving early")
 
@@ -127,21 +119,40 @@ def _task_run_states(flow_run_id: object) -> list[str]:
     return sorted(run.state.type.value for run in runs if run.state is not None)
 
 
+def _cancelled_at(flow_run_id: object) -> list[float]:
+    """When each of the flow run's task runs first became Cancelled, as the API records it."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+        )
+        histories = [client.read_task_run_states(run.id) for run in runs]
+    return sorted(
+        min(s.timestamp.timestamp() for s in history if s.type.value == "CANCELLED")
+        for history in histories
+    )
+
+
 @pytest.mark.parametrize("finish", ["return", "raise"])
 def test_leaving_the_flow_with_a_chain_unfinished_cancels_every_task_run_within_the_grace(
     workdir: Path, finish: str
 ):
-    started = time.monotonic()
-    state = leave_a_chain_unfinished(str(workdir / "never"), finish, return_state=True)
-    elapsed = time.monotonic() - started
+    left_at = workdir / "left-at"
+    state = leave_a_chain_unfinished(
+        str(workdir / "never"), finish, str(left_at), return_state=True
+    )
 
     flow_run_id = state.state_details.flow_run_id
+    # The API records the runner's states from events: give it time to catch up.
     wait_until(
         lambda: _task_run_states(flow_run_id) == ["CANCELLED"] * 3,
         30,
         f"every task run to be Cancelled (now {_task_run_states(flow_run_id)})",
     )
-    assert elapsed < 30 + CANCEL_GRACE
+    cancelled_after = [at - float(left_at.read_text()) for at in _cancelled_at(flow_run_id)]
+    assert len(cancelled_after) == 3
+    assert all(0 <= after <= CANCEL_GRACE for after in cancelled_after), cancelled_after
 
 
 def test_twenty_flows_left_unfinished_in_mixed_shapes_leave_no_task_run_unfinished(
@@ -313,13 +324,24 @@ def test_async_task_timeout_fails_it_leaves_its_dependent_not_ready_and_others_c
 
 
 def test_as_completed_yields_futures_in_the_order_they_finish(tmp_path):
-    @flow(task_runner=KineticTaskRunner(max_parallel=3))
-    def run() -> list[float]:
-        # 3 s apart: more than a loaded machine's lag in reporting a pod's end.
-        futures = [sleep_after_all_started.submit(s, str(tmp_path), 3) for s in (6.0, 0.0, 3.0)]
-        return [f.result() for f in as_completed(futures)]
+    gates = tmp_path / "gates"
+    gates.mkdir()
+    finishing_order = ["second", "third", "first"]
 
-    assert run() == [0.0, 3.0, 6.0]
+    @flow(task_runner=KineticTaskRunner(max_parallel=3))
+    def run() -> list[str]:
+        # Each task ends once its gate exists, and a gate opens only once the future before
+        # it was yielded: the tasks finish in `finishing_order` however their pods start.
+        futures = [wait_for_file.submit(str(gates / n)) for n in ("first", "second", "third")]
+        (gates / finishing_order[0]).touch()
+        yielded = []
+        opened_next = [*finishing_order[1:], "after-the-last"]
+        for future, gate in zip(as_completed(futures, timeout=300), opened_next, strict=False):
+            yielded.append(Path(future.result()).name)
+            (gates / gate).touch()
+        return yielded
+
+    assert run() == finishing_order
 
 
 def test_thirty_tasks_run_without_crashing():

@@ -339,7 +339,9 @@ class IamProxy:
         self.callers: set[str] = set()
         # (member, method, path) of every request received, in order.
         self.requests: list[tuple[str, str, str]] = []
-        # The object name of every upload received, in order (a multipart upload's is in its body).
+        # The object name of every upload begun, in order: a POST to /upload/ (a multipart
+        # upload, or a resumable one's start: the name is in its body); a resumable upload's
+        # chunks, PUT to its session, are not uploads of their own.
         self.uploaded: list[str] = []
         self._servers: dict[str, http.server.ThreadingHTTPServer] = {}
         self._lock = threading.Lock()
@@ -452,7 +454,7 @@ class IamProxy:
                     proxy.requests.append((self.member_unlocked(), self.command, self.path))
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
-                if self.path.startswith("/upload/"):
+                if self.path.startswith("/upload/") and self.command == "POST":
                     name = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query).get(
                         "name"
                     ) or [_multipart_name(body) or ""]

@@ -163,15 +163,18 @@ class ClusterEmulator(kmock.KubernetesEmulator):
     _finalizing: asyncio.Lock = attrs.field(factory=asyncio.Lock, init=False)
     _cuts: int = attrs.field(default=0, init=False)
     _released: asyncio.Event = attrs.field(factory=asyncio.Event, init=False)
+    # Injected errors: answering one request each (`fail_next`), or every matching request
+    # until lifted (`refuse`). Neither is authorization's doing, so neither is in `refusals`.
     faults: list[ApiFault] = attrs.field(factory=list, init=False)
-    refusals: list[ApiFault] = attrs.field(factory=list, init=False)
+    standing_faults: list[ApiFault] = attrs.field(factory=list, init=False)
     # time.monotonic() at which each request arrived, by request id.
     arrived_at: dict[int, float] = attrs.field(factory=dict, init=False)
     # Authentication: bearer token -> user; these User-Agents are the cluster's controllers.
     tokens: dict[str, kube_auth.User] = attrs.field(factory=dict, init=False)
     controller_agents: set[str] = attrs.field(factory=set, init=False)
     policy: kube_auth.Policy = attrs.field(factory=kube_auth.Policy, init=False)
-    # Every 401 and RBAC 403 answered: (code, method, path, message).
+    # Every 401 and RBAC 403 authorization answered (never an injected fault):
+    # (code, method, path, message).
     refusals: list[tuple[int, str, str, str]] = attrs.field(factory=list, init=False)
     # Kueue's visibility API: (namespace, LocalQueue) -> its PendingWorkloadsSummary.
     pending_workloads: Any = attrs.field(default=None, init=False)
@@ -235,18 +238,19 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         `token` refuses only requests bearing it (a rotated-away token); `watch` as in
         `fail_next`.
         """
-        self.refusals.append(
+        self.standing_faults.append(
             ApiFault(method, plural, code, reason, message, None, None, watch, token)
         )
 
     def stop_refusing(self) -> None:
-        self.refusals.clear()
+        """Lift every `refuse`; the log of authorization's `refusals` stays."""
+        self.standing_faults.clear()
 
     def _take_fault(self, request: kmock.Request) -> ApiFault | None:
         for index, fault in enumerate(self.faults):
             if fault.matches(request):
                 return self.faults.pop(index)
-        return next((fault for fault in self.refusals if fault.matches(request)), None)
+        return next((fault for fault in self.standing_faults if fault.matches(request)), None)
 
     # -- state changes --------------------------------------------------------------
 
