@@ -20,6 +20,7 @@ from kinetic_prefect.backends.gke.outcomes import OutcomeTracker
 from kinetic_prefect.backends.gke.watch import TrackedJob
 from kinetic_prefect.common.intervals import Intervals
 from kinetic_prefect.launch.slices import build_workload
+from tests.support.kube_objects import unschedulable_status
 from tests.unit.test_manifest import _spec
 
 PENDING = 10.0
@@ -38,20 +39,7 @@ NEVER = (
 
 
 def _unschedulable(message: str) -> dict[str, Any]:
-    return {
-        "metadata": {"name": "kp-train-x7k2p"},
-        "status": {
-            "phase": "Pending",
-            "conditions": [
-                {
-                    "type": "PodScheduled",
-                    "status": "False",
-                    "reason": "Unschedulable",
-                    "message": message,
-                }
-            ],
-        },
-    }
+    return {"metadata": {"name": "kp-train-x7k2p"}, "status": unschedulable_status(message)}
 
 
 def _running() -> dict[str, Any]:
