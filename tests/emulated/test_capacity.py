@@ -41,7 +41,7 @@ def _history(task_run_id: object) -> list[tuple[str, str]]:
     return _state_messages(task_run_id)
 
 
-def test_eight_tasks_on_two_nodes_all_complete_waiting_for_capacity_past_the_pending_timeout(
+def test_four_tasks_on_two_nodes_all_complete_waiting_for_capacity_past_the_pending_timeout(
     gke, cluster, workdir
 ):
     from tests.emulated.test_kubernetes_backend import alongside
@@ -57,12 +57,12 @@ def test_eight_tasks_on_two_nodes_all_complete_waiting_for_capacity_past_the_pen
 
     @flow(task_runner=runner)
     def sweep(gate: str) -> tuple[list[str], list[object]]:
-        futures = wait_for_gate.map([gate] * 8)
+        futures = wait_for_gate.map([gate] * 4)
         return [f.result() for f in futures], [f.task_run_id for f in futures]
 
-    def open_the_gate_once_six_waited_past_the_pending_timeout() -> None:
+    def open_the_gate_once_two_waited_past_the_pending_timeout() -> None:
         try:
-            wait_until(lambda: len(cluster.created_jobs()) == 8, 120, "all eight Jobs")
+            wait_until(lambda: len(cluster.created_jobs()) == 4, 120, "all four Jobs")
             created = time.monotonic()
             wait_until(
                 lambda: time.monotonic() - created > 2 * pending_timeout,
@@ -72,12 +72,12 @@ def test_eight_tasks_on_two_nodes_all_complete_waiting_for_capacity_past_the_pen
         finally:
             gate.touch()
 
-    with alongside(open_the_gate_once_six_waited_past_the_pending_timeout):
+    with alongside(open_the_gate_once_two_waited_past_the_pending_timeout):
         results, task_run_ids = sweep(str(gate))
 
-    assert results == ["opened"] * 8
+    assert results == ["opened"] * 4
     assert cluster.kubelet.most_bound["l4-pool"] == 2
-    assert len(cluster.created_jobs()) == 8  # one pod each: none failed to start, none retried
+    assert len(cluster.created_jobs()) == 4  # one pod each: none failed to start, none retried
     with get_client(sync_client=True) as client:
         runs = [client.read_task_run(i) for i in task_run_ids]  # type: ignore[arg-type]
     assert {r.run_count for r in runs} == {1}

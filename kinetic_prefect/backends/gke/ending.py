@@ -102,7 +102,9 @@ class JobEnding:
             return ""
 
     async def _drain(self, timeout: float) -> None:
-        for job in list(self._jobs.values()):
+        # Jobs still waiting in a Kueue queue first: deleting an admitted Job frees quota,
+        # and Kueue would admit a queued one (its pod starting) before its own delete.
+        for job in sorted(self._jobs.values(), key=lambda j: j.admitted_at is not None):
             if not job.done:
                 await self._cancel(job.job_id)
         deadline = time.monotonic() + timeout
