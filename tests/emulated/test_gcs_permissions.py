@@ -304,7 +304,6 @@ def test_a_task_pod_stores_its_result_without_the_bucket_lookup_prefects_block_m
     assert len(gcs.names("results/")) == 1
 
 
-@pytest.mark.lowest_prefect
 def test_a_task_pod_that_cannot_write_the_results_bucket_fails_naming_storage_objects_create(
     gke, cluster, gcs
 ):
@@ -324,6 +323,33 @@ def test_a_task_pod_that_cannot_write_the_results_bucket_fails_naming_storage_ob
     assert f"could not store its result at gs://{results.bucket}/results/" in message
     assert "storage.objects.create" in message
     assert (PODS_MEMBER.partition(":")[2], "storage.objects.create", results.bucket) in (
+        gcs.iam.denials
+    )
+
+
+@pytest.mark.lowest_prefect
+def test_a_local_pod_that_cannot_write_a_gcs_results_bucket_fails_naming_storage_objects_create(
+    gcs, workdir
+):
+    # The pod side of the same rule without a cluster (or a shipped environment): the
+    # local backend's pods act as the user here, who may read the results but not write.
+    results = results_only_bucket(gcs)
+    gcs.iam.grant([Grant(results.bucket, USER_MEMBER, "roles/storage.objectViewer")])
+
+    @flow(task_runner=KineticTaskRunner(env=gcs.pod_env))
+    def one_cube() -> int:
+        return cube.with_options(result_storage=results).submit(3).result()
+
+    with (
+        gcs.iam.revoked(Grant(results.bucket, USER_MEMBER, OBJECT_ADMIN)),
+        pytest.raises(Exception) as failed,
+    ):
+        one_cube()
+
+    message = str(failed.value)
+    assert f"could not store its result at gs://{results.bucket}/results/" in message
+    assert "storage.objects.create" in message
+    assert (USER_MEMBER.partition(":")[2], "storage.objects.create", results.bucket) in (
         gcs.iam.denials
     )
 

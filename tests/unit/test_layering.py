@@ -193,7 +193,8 @@ def _marked_lowest(test: str) -> bool:
 
     for path in (PACKAGE_ROOT.parent / "tests").rglob("test_*.py"):
         text = path.read_text()
-        found = re.search(rf"((?:^@.*\n)*)def {test}\(", text, re.MULTILINE)
+        # The decorators above the function (a mark on one of its params counts too).
+        found = re.search(rf"\n\n\n((?:(?!\n\n\n).)*?)def {test}\(", text, re.DOTALL)
         if found:
             module_mark = re.search(r"^pytestmark = .*lowest_prefect", text, re.MULTILINE)
             return bool(module_mark) or "lowest_prefect" in found.group(1)
