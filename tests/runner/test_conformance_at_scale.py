@@ -1,0 +1,64 @@
+"""KineticTaskRunner as Prefect's runners behave, at a scale: many flows, many tasks at once.
+
+Apart from tests/runner/test_conformance.py because they measure no private Prefect API:
+the lowest-Prefect run (`make test-lowest`) leaves them out.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from pathlib import Path
+
+import pytest
+from prefect import flow
+
+from kinetic_prefect import KineticTaskRunner
+from tests.runner.test_conformance import (
+    CANCEL_GRACE,
+    _task_run_states,
+    leave_unfinished,
+    plus_one,
+)
+from tests.support.waiting import wait_until
+
+pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
+
+
+def test_twenty_flows_left_unfinished_in_mixed_shapes_leave_no_task_run_unfinished(
+    workdir: Path,
+):
+    shapes = [
+        (shape, finish, linger)
+        for linger in (False, True)
+        for shape in ("chain", "map")
+        for finish in ("return", "raise")
+    ]
+    cases = [shapes[i % len(shapes)] for i in range(20)]
+
+    def leave(index: int) -> object:
+        shape, finish, linger = cases[index]
+        started = workdir / f"started-{index}"
+        started.mkdir()
+        state = leave_unfinished(
+            shape, finish, linger, str(workdir / "never"), str(started), return_state=True
+        )
+        return state.state_details.flow_run_id
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        flow_run_ids = list(pool.map(leave, range(len(cases))))
+
+    def unfinished() -> dict[str, list[str]]:
+        states = {str(i): _task_run_states(i) for i in flow_run_ids}
+        return {i: s for i, s in states.items() if set(s) != {"CANCELLED"}}
+
+    wait_until(lambda: not unfinished(), CANCEL_GRACE + 30, "every task run to be Cancelled")
+    assert sum(len(_task_run_states(i)) for i in flow_run_ids) == 10 * 3 + 10 * 6
+
+
+def test_thirty_tasks_run_without_crashing():
+    # Warm pods: thirty hand-overs between tasks, at two pods' start-up cost.
+    @flow(task_runner=KineticTaskRunner(warm_pods=True))
+    def run() -> list[int]:
+        return [f.result() for f in plus_one.map(range(30))]
+
+    assert run() == list(range(1, 31))
