@@ -71,7 +71,8 @@ test: $(VENV)/.synced $(VENV_LOWEST)/.synced
 
 test-lowest: $(VENV_LOWEST)/.synced
 	$(VENV_LOWEST)/bin/python -c 'import prefect; print("Conformance on prefect", prefect.__version__)'
-	$(VENV_LOWEST)/bin/python -m pytest -n 4 --dist loadgroup -m lowest_prefect
+	# Two workers: each starts a Prefect server, which costs more here than the tests share.
+	$(VENV_LOWEST)/bin/python -m pytest -n 2 --dist loadgroup -m lowest_prefect
 
 lint: $(VENV)/.synced
 	$(VENV)/bin/ruff check kinetic_prefect tests flows blocks
