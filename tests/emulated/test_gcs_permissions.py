@@ -304,22 +304,29 @@ def test_a_task_pod_stores_its_result_without_the_bucket_lookup_prefects_block_m
     assert len(gcs.names("results/")) == 1
 
 
-def test_a_task_pod_that_cannot_write_the_results_bucket_fails_naming_storage_objects_create(
-    gke, cluster, gcs
-):
-    results = results_only_bucket(gcs)
+def _refused_result_write(gcs, results, runner, member) -> str:  # type: ignore[no-untyped-def]
+    """The error of a flow whose pod, acting as `member`, may not write `results`."""
 
-    @flow(task_runner=KineticTaskRunner(cluster=gke, allow_loopback_api=True))
+    @flow(task_runner=runner)
     def one_cube() -> int:
         return cube.with_options(result_storage=results).submit(3).result()
 
     with (
-        gcs.iam.revoked(Grant(results.bucket, PODS_MEMBER, OBJECT_ADMIN)),
+        gcs.iam.revoked(Grant(results.bucket, member, OBJECT_ADMIN)),
         pytest.raises(Exception) as failed,
     ):
         one_cube()
+    return str(failed.value)
 
-    message = str(failed.value)
+
+def test_a_task_pod_that_cannot_write_the_results_bucket_fails_naming_storage_objects_create(
+    gke, cluster, gcs
+):
+    results = results_only_bucket(gcs)
+    runner = KineticTaskRunner(cluster=gke, allow_loopback_api=True)
+
+    message = _refused_result_write(gcs, results, runner, PODS_MEMBER)
+
     assert f"could not store its result at gs://{results.bucket}/results/" in message
     assert "storage.objects.create" in message
     assert (PODS_MEMBER.partition(":")[2], "storage.objects.create", results.bucket) in (
@@ -336,17 +343,8 @@ def test_a_local_pod_that_cannot_write_a_gcs_results_bucket_fails_naming_storage
     results = results_only_bucket(gcs)
     gcs.iam.grant([Grant(results.bucket, USER_MEMBER, "roles/storage.objectViewer")])
 
-    @flow(task_runner=KineticTaskRunner(env=gcs.pod_env))
-    def one_cube() -> int:
-        return cube.with_options(result_storage=results).submit(3).result()
+    message = _refused_result_write(gcs, results, KineticTaskRunner(env=gcs.pod_env), USER_MEMBER)
 
-    with (
-        gcs.iam.revoked(Grant(results.bucket, USER_MEMBER, OBJECT_ADMIN)),
-        pytest.raises(Exception) as failed,
-    ):
-        one_cube()
-
-    message = str(failed.value)
     assert f"could not store its result at gs://{results.bucket}/results/" in message
     assert "storage.objects.create" in message
     assert (USER_MEMBER.partition(":")[2], "storage.objects.create", results.bucket) in (
