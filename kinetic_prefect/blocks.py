@@ -190,6 +190,16 @@ class KineticCluster(Block):
     warm_pod_idle_seconds: float | None = Field(
         default=None, description="How long an idle warm pod waits for its next task run."
     )
+    code_archive_max_mb: float | None = Field(
+        default=None,
+        description="The most the code archive's files may total before compression, in MB "
+        "(default 200); past it a launch is refused before any upload.",
+    )
+    code_archive_max_files: int | None = Field(
+        default=None,
+        description="The most files the code archive may hold (default 20000); past it a "
+        "launch is refused before any upload.",
+    )
     environment: Literal["auto", "ship", "image"] | None = Field(
         default=None,
         description="The task's Python environment: 'ship' (resolved, built once and "
@@ -282,6 +292,8 @@ def cluster_settings(cluster: KineticCluster) -> dict[str, Any]:
         "queue_name": cluster.queue_name,
         "warm_pods": cluster.warm_pods,
         "warm_pod_idle_seconds": cluster.warm_pod_idle_seconds,
+        "code_archive_max_mb": cluster.code_archive_max_mb,
+        "code_archive_max_files": cluster.code_archive_max_files,
         "environment": cluster.environment,
         "requirements": cluster.requirements,
         "environment_builder": cluster.environment_builder,

@@ -6,22 +6,32 @@ pickled by value so the pod does not need them importable; the same root is
 also shipped as a code archive for data files and lazily imported code
 (`kinetic_prefect.launch.ignore` decides which files), uploaded once per content to
 `code-cache/{sha256}.zip` in the jobs store.
+
+The archive is bounded and never held in memory: a root too broad to ship
+(`/`, the home or the temporary directory, unless `package_root=` names it)
+and a file list past the size or file-count limit are refused from names and
+`stat` alone, before any file is read or anything uploaded; the archive is then
+written to a temporary file and streamed to the store.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
+import os
+import shutil
 import sys
+import tempfile
 import threading
+import weakref
 import zipfile
-from collections.abc import Collection, Mapping
+from collections import Counter
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib.metadata import packages_distributions
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, BinaryIO
 
 import cloudpickle
 from prefect.logging import get_logger
@@ -29,15 +39,24 @@ from prefect.logging import get_logger
 from kinetic_prefect.common import layout
 from kinetic_prefect.common.storage import JobsStore
 from kinetic_prefect.errors import PayloadError
-from kinetic_prefect.launch.ignore import IGNORE_FILE, iter_package_files
+from kinetic_prefect.launch.ignore import (
+    CREDENTIAL_SCAN_BYTES,
+    IGNORE_FILE,
+    PackageFile,
+    credential_content,
+    ignore_line,
+    iter_package_files,
+)
+from kinetic_prefect.launch.settings import LaunchSettings
 
 logger = get_logger("kinetic_prefect.launch.packaging")
 
 
 ROOT_MARKERS = ("pyproject.toml", "setup.py", "setup.cfg", ".git", IGNORE_FILE)
-SIZE_WARNING_BYTES = 100 * 1024 * 1024
 # Zip entries get a fixed timestamp so the archive's hash depends on content only.
 _ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)
+# How many of the largest files and directories a refusal names.
+_LARGEST_LISTED = 5
 
 
 @dataclass(frozen=True)
@@ -70,21 +89,175 @@ def find_package_root(source_file: str | None, explicit: str | None = None) -> P
     return start
 
 
-def build_context_zip(root: Path, extra_excludes: Collection[str] = ()) -> Artifact:
+def refused_root(root: Path, home: Path, temp: Path) -> str | None:
+    """What `root` is when it is too broad to ship whole (`/`, `home`, `temp` or a directory
+    holding one of them), else None. Pure: every path is already resolved."""
+    if root == Path(root.anchor):
+        return "the filesystem root"
+    if root == home:
+        return "your home directory"
+    if home.is_relative_to(root):
+        return f"a directory that holds your home directory ({home})"
+    if root == temp or temp.is_relative_to(root):
+        return "the system temporary directory"
+    return None
+
+
+def check_package_root(root: Path, explicit: bool) -> None:
+    """Refuse, before anything is read or uploaded, a root found by default that is too broad.
+
+    A root named with `package_root=` (`explicit`) is shipped as asked, within the
+    archive limits.
+    """
+    if explicit:
+        return
+    what = refused_root(root, Path.home().resolve(), Path(tempfile.gettempdir()).resolve())
+    if what is None:
+        return
+    markers = ", ".join(ROOT_MARKERS)
+    raise PayloadError(
+        f"The package root {root} is {what}: kinetic-prefect does not ship it whole with your "
+        f"task. Add a project marker ({markers}) to the directory that holds your code, or name "
+        'the directory to ship with KineticTaskRunner(package_root="/path/to/project").'
+    )
+
+
+@dataclass(frozen=True)
+class ArchiveLimits:
+    """The most a code archive may hold: bytes of its files before compression, and files."""
+
+    max_bytes: int
+    max_files: int
+
+    @classmethod
+    def of(cls, settings: LaunchSettings) -> ArchiveLimits:
+        """From the `code_archive_max_mb` and `code_archive_max_files` settings."""
+        return cls(int(settings.code_archive_max_mb * 1_000_000), settings.code_archive_max_files)
+
+
+def _sized(files: Sequence[PackageFile]) -> list[tuple[str, bool, int, int]]:
+    """(relative, is_dir, bytes, files) for every file and every directory above one."""
+    sizes: Counter[str] = Counter()
+    counts: Counter[str] = Counter()
+    for file in files:
+        parts = file.relative.split("/")
+        for depth in range(1, len(parts)):
+            directory = "/".join(parts[:depth])
+            sizes[directory] += file.size
+            counts[directory] += 1
+    return [(d, True, sizes[d], counts[d]) for d in sizes] + [
+        (f.relative, False, f.size, 1) for f in files
+    ]
+
+
+def oversize_report(root: Path, files: Sequence[PackageFile], limits: ArchiveLimits) -> str | None:
+    """Why the files would make an archive past `limits`, naming the largest files and
+    directories with the `.kineticignore` line that leaves each out; None within them."""
+    total = sum(f.size for f in files)
+    too_big, too_many = total > limits.max_bytes, len(files) > limits.max_files
+    if not (too_big or too_many):
+        return None
+    entries = _sized(files)
+    if too_big:
+        head = (
+            f"The code archive of {root} would hold {total / 1e6:.1f} MB, over the "
+            f"{limits.max_bytes / 1e6:g} MB limit (code_archive_max_mb)."
+        )
+        ranked = sorted(entries, key=lambda e: (-e[2], e[0]))
+    else:
+        head = (
+            f"The code archive of {root} would hold {len(files)} files, over the "
+            f"{limits.max_files} file limit (code_archive_max_files)."
+        )
+        ranked = sorted((e for e in entries if e[1]), key=lambda e: (-e[3], e[0]))
+    lines = [head, "Largest, with the .kineticignore line that leaves each out:"]
+    for is_dir in (True, False):
+        for relative, _, size, count in [e for e in ranked if e[1] == is_dir][:_LARGEST_LISTED]:
+            what = f"{relative}/ ({count} files)" if is_dir else relative
+            lines.append(f"  {size / 1e6:10.1f} MB  {what}  ->  {ignore_line(relative, is_dir)}")
+    lines.append(
+        f"Add those lines to {root / IGNORE_FILE} and pass data with kinetic_prefect.Data, "
+        'set KineticTaskRunner(package_root="...") to the directory that holds only your code, '
+        "or raise code_archive_max_mb / code_archive_max_files (KINETIC_CODE_ARCHIVE_MAX_MB, "
+        "KINETIC_CODE_ARCHIVE_MAX_FILES)."
+    )
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class CodeArchive:
+    """A code archive in a temporary file (removed once the archive is dropped) and its sha256."""
+
+    path: Path
+    sha256: str
+    size: int
+
+    def __post_init__(self) -> None:
+        weakref.finalize(self, _remove, self.path)
+
+    def open(self) -> BinaryIO:
+        return self.path.open("rb")
+
+
+def _remove(path: Path) -> None:
+    path.unlink(missing_ok=True)
+
+
+def _add_file(archive: zipfile.ZipFile, file: PackageFile) -> None:
+    # O_NOFOLLOW: a file swapped for a symlink since it was listed is not followed out of the root.
+    try:
+        descriptor = os.open(file.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as exc:
+        logger.debug("Not shipping %s: it cannot be read (%s).", file.relative, exc)
+        return
+    with os.fdopen(descriptor, "rb") as source:
+        head = source.read(CREDENTIAL_SCAN_BYTES + 1)
+        reason = credential_content(file.relative, head, len(head) <= CREDENTIAL_SCAN_BYTES)
+        if reason is not None:
+            logger.debug("Not shipping %s: %s.", file.relative, reason)
+            return
+        info = zipfile.ZipInfo(file.relative, date_time=_ZIP_EPOCH)
+        info.compress_type = zipfile.ZIP_DEFLATED
+        info.external_attr = (0o755 if file.executable else 0o644) << 16
+        info.file_size = file.size
+        with archive.open(info, "w") as entry:
+            entry.write(head)
+            shutil.copyfileobj(source, entry, 1024 * 1024)
+
+
+def build_context_zip(
+    root: Path, extra_excludes: Collection[str] = (), limits: ArchiveLimits | None = None
+) -> CodeArchive:
     """A deterministic zip of the files of `root` that are shipped (see `launch.ignore`).
 
-    Entries are sorted, timestamps fixed and modes reduced to 644/755, so the
-    same content always gives the same bytes and the same sha256.
+    Refused with `PayloadError`, before any file is read, past `limits` (default:
+    the settings' defaults). Entries
+    are sorted, timestamps fixed and modes reduced to 644/755, so the same content
+    always gives the same bytes and the same sha256. The zip is written to a
+    temporary file, never held in memory.
+
+    Example:
+        ```python
+        archive = build_context_zip(Path("."), limits=ArchiveLimits(50_000_000, 5_000))
+        ```
     """
-    buffer = io.BytesIO()
-    with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_DEFLATED) as archive:
-        for path in iter_package_files(root, extra_excludes):
-            info = zipfile.ZipInfo(path.relative_to(root).as_posix(), date_time=_ZIP_EPOCH)
-            info.compress_type = zipfile.ZIP_DEFLATED
-            executable = path.stat().st_mode & 0o111
-            info.external_attr = (0o755 if executable else 0o644) << 16
-            archive.writestr(info, path.read_bytes())
-    return Artifact.of(buffer.getvalue())
+    files = list(iter_package_files(root, extra_excludes))
+    report = oversize_report(root, files, limits or ArchiveLimits.of(LaunchSettings()))
+    if report is not None:
+        raise PayloadError(report)
+    descriptor, name = tempfile.mkstemp(prefix="kinetic-code-", suffix=".zip")
+    try:
+        with os.fdopen(descriptor, "w+b") as handle:
+            with zipfile.ZipFile(handle, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+                for file in files:
+                    _add_file(archive, file)
+            handle.seek(0)
+            sha256 = hashlib.file_digest(handle, "sha256").hexdigest()
+            size = handle.tell()
+    except BaseException:
+        os.unlink(name)
+        raise
+    return CodeArchive(Path(name), sha256, size)
 
 
 context_keys = layout.code_archive_keys
@@ -96,8 +269,8 @@ _UPLOAD_LOCKS_GUARD = threading.Lock()
 _PRESENT: set[tuple[str, str]] = set()
 
 
-def upload_context(store: JobsStore, archive: Artifact) -> str:
-    """Upload the code archive once per content and return its URI.
+def upload_context(store: JobsStore, archive: CodeArchive) -> str:
+    """Stream the code archive to the store once per content and return its URI.
 
     The archive goes to `code-cache/{sha256}.zip`; the marker
     `code-cache/{sha256}.done` is written only after it, so an interrupted
@@ -115,9 +288,10 @@ def upload_context(store: JobsStore, archive: Artifact) -> str:
         lock = _UPLOAD_LOCKS.setdefault(where, threading.Lock())
     with lock:
         if where not in _PRESENT and not (store.exists(marker) and store.exists(key)):
-            store.put_bytes(key, archive.data)
+            with archive.open() as stream:
+                store.put_stream(key, stream, archive.size)
             store.put_bytes(marker, archive.sha256.encode())
-            logger.debug("Uploaded the code archive %s (%d bytes).", key, len(archive.data))
+            logger.debug("Uploaded the code archive %s (%d bytes).", key, archive.size)
         _PRESENT.add(where)
     return store.uri(key)
 
@@ -180,11 +354,15 @@ def check_picklable(parameters: Mapping[str, Any], task_name: str) -> None:
             ) from exc
 
 
-def size_warning(label: str, artifact: Artifact, limit: int = SIZE_WARNING_BYTES) -> str | None:
-    """A warning to log when an artifact is large enough to slow every launch."""
-    if len(artifact.data) <= limit:
+PAYLOAD_WARNING_BYTES = 100 * 1024 * 1024
+
+
+def payload_size_warning(task_name: str, payload: Artifact) -> str | None:
+    """A warning to log when a task's payload (its pickled arguments) slows every launch."""
+    if len(payload.data) <= PAYLOAD_WARNING_BYTES:
         return None
     return (
-        f"{label} is {len(artifact.data) / 1e6:.1f} MB (over {limit / 1e6:.0f} MB); every launch "
-        f"uploads it. Add large files to {IGNORE_FILE} and pass data with kinetic_prefect.Data."
+        f"The payload of task {task_name!r} is {len(payload.data) / 1e6:.1f} MB (over "
+        f"{PAYLOAD_WARNING_BYTES / 1e6:.0f} MB); every launch uploads it. Pass large arrays "
+        "and files as kinetic_prefect.Data instead of as arguments."
     )

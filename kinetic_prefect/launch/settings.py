@@ -102,6 +102,11 @@ class LaunchSettings:
     # Whom this process acts as on GCS (the jobs store, result reads): a prefect-gcp
     # `GcpCredentials` block; None: Application Default Credentials. Never sent to pods.
     gcp_credentials: Any = None
+    # The code archive's bounds (`kinetic_prefect.launch.packaging`): its files' total size
+    # before compression, in MB, and their number. Past either, a launch is refused before
+    # anything is read or uploaded, naming the largest files and directories.
+    code_archive_max_mb: float = 200.0
+    code_archive_max_files: int = 20_000
     # Every interval the runner, its backend and its pods wait on (docs/intervals.md); pods
     # get the changed ones through their manifest.
     intervals: Intervals = field(default_factory=Intervals)
@@ -177,6 +182,8 @@ _ENV_PARSERS: dict[str, Any] = {
     "memory": str,
     # A JSON object.
     "pod_overrides": json.loads,
+    "code_archive_max_mb": float,
+    "code_archive_max_files": int,
     # A JSON object of the intervals to change (`kinetic_prefect.common.intervals`).
     "intervals": parse_intervals_env,
 }
@@ -343,6 +350,11 @@ def _validate(settings: LaunchSettings) -> None:
         raise ConfigurationError(
             "warm_pod_idle_seconds must be a positive number of seconds (how long an idle "
             "warm pod waits for its next task run)."
+        )
+    if settings.code_archive_max_mb <= 0 or settings.code_archive_max_files < 1:
+        raise ConfigurationError(
+            "code_archive_max_mb and code_archive_max_files must be above zero (the most the "
+            "code archive may hold); leave large files out with .kineticignore instead."
         )
     _check_warm_idle(settings)
     _check_queue_name(settings.queue_name)

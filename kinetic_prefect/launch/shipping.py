@@ -34,6 +34,11 @@ class ShippedData:
         ]
 
 
+def local_data_paths(parameters: dict[str, Any]) -> tuple[Path, ...]:
+    """The local paths of the `Data` in `parameters`, which stay out of the code archive."""
+    return tuple(Path(item.path_or_uri) for item in data.find_data(parameters) if not item.is_gcs)
+
+
 def ship_parameters(
     store: JobsStore, parameters: dict[str, Any], hashes: data_upload.LocalDataHashes
 ) -> ShippedData:
@@ -44,15 +49,12 @@ def ship_parameters(
     """
     refs: dict[data.Data, data.DataRef] = {}
     volumes: list[DataVolume] = []
-    local_paths: list[Path] = []
     uploaded = 0
 
     def to_ref(item: data.Data) -> data.DataRef:
         nonlocal uploaded
         if item in refs:
             return refs[item]
-        if not item.is_gcs:
-            local_paths.append(Path(item.path_or_uri))
         ref, sent = data_upload.describe(item, store, hashes)
         uploaded += sent
         if item.fuse and ref.uri.startswith("gs://"):
@@ -63,4 +65,5 @@ def ship_parameters(
         return ref
 
     shipped: dict[str, Any] = data.visit_data(parameters, to_ref)
-    return ShippedData(shipped, tuple(refs.values()), tuple(volumes), tuple(local_paths), uploaded)
+    local_paths = local_data_paths(parameters)
+    return ShippedData(shipped, tuple(refs.values()), tuple(volumes), local_paths, uploaded)

@@ -48,14 +48,16 @@ from kinetic_prefect.launch import prefect_context
 from kinetic_prefect.launch.manifest import LaunchSpec
 from kinetic_prefect.launch.manifest import new_job_id as make_job_id
 from kinetic_prefect.launch.packaging import (
-    Artifact,
+    ArchiveLimits,
+    CodeArchive,
     build_payload,
+    check_package_root,
     find_package_root,
-    size_warning,
+    payload_size_warning,
     upload_context,
 )
 from kinetic_prefect.launch.pod_secrets import PodSecrets, split_env
-from kinetic_prefect.launch.shipping import ship_parameters
+from kinetic_prefect.launch.shipping import local_data_paths, ship_parameters
 from kinetic_prefect.launch.slices import build_workload
 from kinetic_prefect.runner import prefect_engine as prefect_bridge
 from kinetic_prefect.runner import result_check
@@ -116,6 +118,9 @@ class Launcher:
                 return
             if launch.cancelled:
                 return
+            # A code archive that cannot be shipped is refused before anything is uploaded.
+            launch.local_data_paths = local_data_paths(resolved)
+            self.package_code(launch)
             launch.parameters = self.ship_data(launch, resolved)
             launch.store = launch.store or open_store(
                 launch.settings.resolved_jobs_root(), launch.settings.gcp_credentials
@@ -156,6 +161,19 @@ class Launcher:
         prefect_bridge.record_data_used(launch.task_run, shipped.rows())
         return shipped.parameters
 
+    def package_code(self, launch: TaskLaunch) -> tuple[Path, CodeArchive]:
+        """The task's package root and its code archive (built once per runner).
+
+        Raises `PayloadError`, before any file is read, for a root too broad to ship
+        and for an archive past the `code_archive_max_*` limits.
+        """
+        source = inspect.getsourcefile(launch.task.fn) if hasattr(launch.task, "fn") else None
+        explicit = self.resources.package_root
+        root = find_package_root(source, explicit)
+        check_package_root(root, explicit=bool(explicit))
+        limits = ArchiveLimits.of(launch.settings)
+        return root, self.resources.context_zip(root, limits, launch.local_data_paths)
+
     def _location_rows(self, launch: TaskLaunch) -> dict[str, str]:
         return {
             "accelerator": launch.accelerator.name + (" (spot)" if launch.accelerator.spot else ""),
@@ -172,8 +190,7 @@ class Launcher:
         jobs_root = settings.resolved_jobs_root()
         store = launch.store or open_store(jobs_root, settings.gcp_credentials)
         launch.store = store
-        source = inspect.getsourcefile(launch.task.fn) if hasattr(launch.task, "fn") else None
-        root = find_package_root(source, self.resources.package_root)
+        root, code = self.package_code(launch)
         backend = self.resources.backend_for(settings, jobs_root)
         environment = None
         if settings.ships_environment():
@@ -186,7 +203,7 @@ class Launcher:
             )
         accelerator = launch.attempt_accelerator()
         # A small payload for a warm pod goes in its assignment, or up if it starts a pod.
-        payload, payload_sha256, code = self._package_attempt(launch, root)
+        payload, payload_sha256 = self._package_attempt(launch, root)
         payload_key = layout.job_file(launch.job_id, layout.PAYLOAD_FILE)
         if runs_warm(launch, accelerator) and len(payload) <= INLINE_PAYLOAD_BYTES:
             payload_uri, unsent = store.uri(payload_key), payload
@@ -225,8 +242,8 @@ class Launcher:
             return
         self._launch_cold(launch, spec, backend, secrets)
 
-    def _package_attempt(self, launch: TaskLaunch, root: Path) -> tuple[bytes, str, Artifact]:
-        """The attempt's payload (its bytes and sha256), and its code archive."""
+    def _package_attempt(self, launch: TaskLaunch, root: Path) -> tuple[bytes, str]:
+        """The attempt's payload: its bytes and sha256."""
         launch.task_run.run_count = launch.runs_used
         payload = build_payload(
             {
@@ -244,11 +261,10 @@ class Launcher:
             },
             root,
         )
-        warning = size_warning(f"The payload of task {launch.task.name!r}", payload)
+        warning = payload_size_warning(launch.task.name, payload)
         if warning:
             logger.warning(warning)
-        code = self.resources.context_zip(root, launch.local_data_paths)
-        return payload.data, payload.sha256, code
+        return payload.data, payload.sha256
 
     def _pod_secrets(self, launch: TaskLaunch) -> PodSecrets:
         """Prefect's secret settings, the user's secret env and the record key: one Secret."""

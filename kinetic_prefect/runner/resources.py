@@ -11,8 +11,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from prefect.logging import get_logger
-
 from kinetic_prefect.backends import create_backend
 from kinetic_prefect.backends.base import Backend
 from kinetic_prefect.common.env import (
@@ -24,7 +22,7 @@ from kinetic_prefect.common.env import (
 from kinetic_prefect.common.layout import lease_key
 from kinetic_prefect.common.storage import JobsStore
 from kinetic_prefect.data import upload as data_upload
-from kinetic_prefect.launch.packaging import Artifact, build_context_zip, size_warning
+from kinetic_prefect.launch.packaging import ArchiveLimits, CodeArchive, build_context_zip
 from kinetic_prefect.launch.settings import LaunchSettings
 from kinetic_prefect.runner import record_key
 from kinetic_prefect.runner.lease import Lease
@@ -32,9 +30,6 @@ from kinetic_prefect.runner.warm_pods import WarmPods
 
 if TYPE_CHECKING:
     from kinetic_prefect.runner.task_launch import TaskLaunch
-
-logger = get_logger("kinetic_prefect.runner.resources")
-
 
 class RunnerResources:
     """Shared by every task run of one runner; see the module docstring."""
@@ -44,7 +39,7 @@ class RunnerResources:
         self.package_root = package_root
         self._lock = threading.Lock()
         self._backends: dict[tuple[str, str], Backend] = {}
-        self._context_zips: dict[tuple[Path, tuple[str, ...]], Artifact] = {}
+        self._context_zips: dict[tuple[Path, tuple[str, ...], ArchiveLimits], CodeArchive] = {}
         self._archive_lock = threading.Lock()
         self._leases: dict[tuple[str, str], Lease] = {}
         self.data_hashes = data_upload.LocalDataHashes()
@@ -60,7 +55,10 @@ class RunnerResources:
                 self._backends[key] = backend
             return backend
 
-    def context_zip(self, root: Path, exclude: tuple[Path, ...] = ()) -> Artifact:
+    def context_zip(
+        self, root: Path, limits: ArchiveLimits, exclude: tuple[Path, ...] = ()
+    ) -> CodeArchive:
+        """The code archive of `root`, built once per runner (`PayloadError` past `limits`)."""
         # Local Data travels through the data cache, never inside the code archive.
         excludes = tuple(
             sorted(
@@ -69,14 +67,12 @@ class RunnerResources:
                 if p.resolve().is_relative_to(root)
             )
         )
+        key = (root, excludes, limits)
         with self._archive_lock:  # one build per archive, however many launches arrive
-            cached = self._context_zips.get((root, excludes))
+            cached = self._context_zips.get(key)
             if cached is None:
-                cached = build_context_zip(root, excludes)
-                warning = size_warning(f"The code archive of {root}", cached)
-                if warning:
-                    logger.warning(warning)
-                self._context_zips[(root, excludes)] = cached
+                cached = build_context_zip(root, excludes, limits)
+                self._context_zips[key] = cached
         return cached
 
     def signing_key(self, launch: TaskLaunch) -> str:
@@ -124,6 +120,8 @@ class RunnerResources:
 
     def close(self) -> None:
         self.warm_pods.close()
+        with self._archive_lock:  # their temporary files go with them
+            self._context_zips.clear()
         with self._lock:
             backends = list(self._backends.values())
             self._backends.clear()

@@ -18,7 +18,7 @@ from kinetic_prefect.cli.jobs_store import cleanup_jobs
 from kinetic_prefect.common.gcs import GcsStore
 from kinetic_prefect.common.storage import LocalStore
 from kinetic_prefect.launch.packaging import (
-    Artifact,
+    CodeArchive,
     build_context_zip,
     context_keys,
     upload_context,
@@ -63,7 +63,7 @@ def demo_project(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pat
     sys.modules.pop("demo_tasks", None)
 
 
-def _archive(tmp_path: Path) -> Artifact:
+def _archive(tmp_path: Path) -> CodeArchive:
     (tmp_path / "code").mkdir()
     (tmp_path / "code" / "m.py").write_text("x = 1\n")
     return build_context_zip(tmp_path / "code")
@@ -86,11 +86,11 @@ def test_an_archive_without_its_marker_is_uploaded_again(tmp_path: Path):
     archive = _archive(tmp_path)
     store = LocalStore(tmp_path / "jobs")
     key, marker = context_keys(archive.sha256)
-    store.put_bytes(key, archive.data[:10])
+    store.put_bytes(key, archive.path.read_bytes()[:10])
 
     upload_context(store, archive)
 
-    assert store.get_bytes(key) == archive.data
+    assert store.get_bytes(key) == archive.path.read_bytes()
     assert store.exists(marker)
 
 

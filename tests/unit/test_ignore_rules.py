@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
@@ -32,7 +31,7 @@ def _files(root: Path, files: dict[str, str]) -> Path:
 
 def _shipped(root: Path) -> set[str]:
     archive = build_context_zip(root)
-    return set(zipfile.ZipFile(io.BytesIO(archive.data)).namelist())
+    return set(zipfile.ZipFile(archive.path).namelist())
 
 
 def _case(name: str, files: dict[str, str], shipped: set[str]) -> object:
@@ -219,8 +218,8 @@ def test_same_content_gives_the_same_bytes_whatever_the_creation_order_and_times
 
     archive = build_context_zip(first)
 
-    assert build_context_zip(second).data == archive.data
-    assert zipfile.ZipFile(io.BytesIO(archive.data)).namelist() == ["a/1.py", "b/2.py", "c.txt"]
+    assert build_context_zip(second).path.read_bytes() == archive.path.read_bytes()
+    assert zipfile.ZipFile(archive.path).namelist() == ["a/1.py", "b/2.py", "c.txt"]
 
 
 def test_local_data_passed_to_a_task_is_left_out_of_the_archive(tmp_path: Path):
@@ -228,4 +227,4 @@ def test_local_data_passed_to_a_task_is_left_out_of_the_archive(tmp_path: Path):
 
     archive = build_context_zip(root, ("datasets",))
 
-    assert set(zipfile.ZipFile(io.BytesIO(archive.data)).namelist()) == {"datasets2/keep", "m.py"}
+    assert set(zipfile.ZipFile(archive.path).namelist()) == {"datasets2/keep", "m.py"}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import threading
 import zipfile
 from pathlib import Path
@@ -14,7 +13,6 @@ from kinetic_prefect.launch.packaging import (
     build_context_zip,
     check_picklable,
     find_package_root,
-    size_warning,
 )
 
 
@@ -35,14 +33,14 @@ def _tree(root: Path) -> Path:
     return root
 
 
-def _names(data: bytes) -> set[str]:
-    return set(zipfile.ZipFile(io.BytesIO(data)).namelist())
+def _names(path: Path) -> set[str]:
+    return set(zipfile.ZipFile(path).namelist())
 
 
 def test_context_zip_skips_default_exclusions_and_kineticignore(tmp_path: Path):
     archive = build_context_zip(_tree(tmp_path))
 
-    assert _names(archive.data) == {
+    assert _names(archive.path) == {
         "pkg/__init__.py",
         "pkg/model.py",
         "data/small.csv",
@@ -68,12 +66,3 @@ def test_package_root_is_the_nearest_directory_with_a_project_marker(tmp_path: P
 def test_unpicklable_parameter_is_named_in_the_error():
     with pytest.raises(PayloadError, match="Parameter 'lock' of task 'train'"):
         check_picklable({"ok": 1, "lock": threading.Lock()}, "train")
-
-
-def test_large_artifact_gets_a_size_warning_that_says_what_to_do(tmp_path: Path):
-    root = _tree(tmp_path)
-    archive = build_context_zip(root)
-
-    assert size_warning("code", archive, limit=10) is not None
-    assert ".kineticignore" in (size_warning("code", archive, limit=10) or "")
-    assert size_warning("code", archive) is None
