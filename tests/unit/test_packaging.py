@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import os
+import subprocess
+import sys
 import threading
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from kinetic_prefect.errors import PayloadError
+from kinetic_prefect.launch.ignore import git_listing
 from kinetic_prefect.launch.packaging import (
     build_context_zip,
+    check_package_root,
     check_picklable,
     find_package_root,
 )
@@ -66,3 +74,136 @@ def test_package_root_is_the_nearest_directory_with_a_project_marker(tmp_path: P
 def test_unpicklable_parameter_is_named_in_the_error():
     with pytest.raises(PayloadError, match="Parameter 'lock' of task 'train'"):
         check_picklable({"ok": 1, "lock": threading.Lock()}, "train")
+
+
+_opened: list[str] | None = None
+
+
+def _record_opens(event: str, args: tuple[object, ...]) -> None:
+    if event == "open" and _opened is not None and isinstance(args[0], str | bytes | Path):
+        _opened.append(os.fsdecode(args[0]))  # type: ignore[arg-type]
+
+
+sys.addaudithook(_record_opens)
+
+
+@contextlib.contextmanager
+def _files_opened() -> Iterator[list[str]]:
+    """Every path this process opens inside the block (Python's `open` audit event)."""
+    global _opened
+    _opened = []
+    try:
+        yield _opened
+    finally:
+        _opened = None
+
+
+def _sparse(path: Path, size: int) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("wb") as handle:
+        handle.truncate(size)
+    return path
+
+
+def _git(root: Path, *args: str) -> None:
+    subprocess.run(
+        ["git", "-c", "user.email=t@example.com", "-c", "user.name=t", *args],
+        cwd=root,
+        check=True,
+        capture_output=True,
+    )
+
+
+def test_a_folder_with_a_300_mb_file_is_refused_before_the_file_is_read(tmp_path: Path):
+    root = tmp_path / "loose"
+    (root / "train.py").parent.mkdir()
+    (root / "train.py").write_text("print('train')\n")
+    big = _sparse(root / "checkpoints" / "model.bin", 300 * 1000 * 1000)
+
+    with _files_opened() as opened, pytest.raises(PayloadError) as refused:
+        build_context_zip(find_package_root(str(root / "train.py")))
+
+    assert "checkpoints/model.bin  ->  /checkpoints/model.bin" in str(refused.value)
+    assert "checkpoints/ (1 files)  ->  /checkpoints/" in str(refused.value)
+    assert str(big) not in opened
+    assert not [p for p in opened if "kinetic-code-" in p]
+
+
+def test_a_script_in_the_home_directory_is_refused_naming_package_root_and_the_markers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    home = tmp_path / "home"
+    (home / "sweep.py").parent.mkdir()
+    (home / "sweep.py").write_text("")
+    monkeypatch.setenv("HOME", str(home))
+    root = find_package_root(str(home / "sweep.py"))
+
+    with pytest.raises(PayloadError, match="is your home directory") as refused:
+        check_package_root(root, explicit=False)
+
+    assert "package_root=" in str(refused.value)
+    assert "pyproject.toml" in str(refused.value)
+    assert ".kineticignore" in str(refused.value)
+    check_package_root(root, explicit=True)
+
+
+def test_in_a_git_checkout_an_ignored_1_gb_file_is_never_listed_nor_read(tmp_path: Path):
+    root = tmp_path
+    for name in ("pkg/__init__.py", "pkg/model.py", "data/small.csv", "big/weights.bin"):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(name)
+    (root / ".gitignore").write_text("*.bin\n")
+    (root / ".kineticignore").write_text("data/\n")
+    _git(root, "init", "-q")
+    _git(root, "add", ".")
+    _git(root, "commit", "-q", "-m", "code")
+    (root / "pkg" / "new.py").write_text("untracked, not ignored\n")
+    (root / "pkg" / "model.py").unlink()  # tracked, deleted from the working tree
+    huge = _sparse(root / "runs" / "huge.bin", 1 << 30)
+
+    with _files_opened() as opened:
+        archive = build_context_zip(root)
+
+    listing = git_listing(root) or []
+    assert "pkg/new.py" in listing and "runs/huge.bin" not in listing
+    assert str(root / "pkg" / "new.py") in opened and str(huge) not in opened
+    assert _names(archive.path) == {".gitignore", ".kineticignore", "pkg/__init__.py", "pkg/new.py"}
+
+
+def test_a_symlink_is_shipped_only_as_a_file_inside_the_root(tmp_path: Path):
+    secret = tmp_path / "outside" / "prod.yaml"
+    secret.parent.mkdir()
+    secret.write_text("password: hunter2\n")
+    root = tmp_path / "proj"
+    (root / "conf").mkdir(parents=True)
+    (root / "pyproject.toml").write_text("")
+    (root / "conf" / "base.yaml").write_text("lr: 0.1\n")
+    (root / "conf" / "prod.yaml").symlink_to(secret)
+    (root / "conf" / "default.yaml").symlink_to("base.yaml")
+    (root / "everything").symlink_to(tmp_path)
+
+    archive = build_context_zip(root)
+
+    with zipfile.ZipFile(archive.path) as shipped:
+        assert set(shipped.namelist()) == {"pyproject.toml", "conf/base.yaml", "conf/default.yaml"}
+        assert shipped.read("conf/default.yaml") == b"lr: 0.1\n"
+    assert b"hunter2" not in archive.path.read_bytes()
+
+
+def test_a_private_key_under_any_name_is_left_out_by_its_header(tmp_path: Path):
+    root = tmp_path
+    (root / "pyproject.toml").write_text("")
+    (root / "deploy_key").write_text("-----BEGIN OPENSSH PRIVATE KEY-----\nb3Blbg==\n")
+    (root / "id_rsa.pub").write_text("ssh-ed25519 AAAA user@host\n")
+
+    assert _names(build_context_zip(root).path) == {"pyproject.toml", "id_rsa.pub"}
+
+
+def test_the_archive_is_a_temporary_file_removed_with_it(tmp_path: Path):
+    archive = build_context_zip(_tree(tmp_path))
+    path = archive.path
+
+    assert path.is_file() and path.stat().st_size == archive.size
+    del archive
+    gc.collect()
+    assert not path.exists()
