@@ -31,6 +31,7 @@ from kinetic_prefect.runner.warm_pods import WarmPods
 if TYPE_CHECKING:
     from kinetic_prefect.runner.task_launch import TaskLaunch
 
+
 class RunnerResources:
     """Shared by every task run of one runner; see the module docstring."""
 
