@@ -265,10 +265,10 @@ def _google_credentials(content: bytes) -> bool:
     )
 
 
-def never_shipped(path: Path, relative: str, is_dir: bool) -> str | None:
+def never_shipped(path: str, relative: str, is_dir: bool) -> str | None:
     """Why `path` is never shipped by its name or, for a directory, by being a virtualenv."""
     reason = never_shipped_name(relative, is_dir)
-    if reason is None and is_dir and (path / "pyvenv.cfg").is_file():
+    if reason is None and is_dir and os.path.isfile(os.path.join(path, "pyvenv.cfg")):
         return "a virtualenv (it holds pyvenv.cfg) is never shipped; the image has the packages"
     return reason
 
@@ -345,25 +345,30 @@ def _listed_tree(names: list[str]) -> dict[str, set[str]]:
     return tree
 
 
-_Child = tuple[str, bool, bool]
+_Child = tuple[str, os.stat_result]
 
 
-def _children(directory: Path, base: str, tree: dict[str, set[str]] | None) -> list[_Child]:
-    """(name, is_dir, is_symlink) of a directory's entries, from git's list or the disk."""
+def _children(directory: str, base: str, tree: dict[str, set[str]] | None) -> list[_Child]:
+    """(name, lstat) of a directory's entries, from git's list or the disk, sorted."""
     if tree is not None and base in tree:
         children = []
         for name in sorted(tree[base]):
             try:
-                mode = os.lstat(directory / name).st_mode
+                children.append((name, os.lstat(os.path.join(directory, name))))
             except OSError:  # in git's index, deleted from the working tree
                 continue
-            children.append((name, stat.S_ISDIR(mode), stat.S_ISLNK(mode)))
         return children
     with os.scandir(directory) as entries:
-        return sorted((e.name, e.is_dir(follow_symlinks=False), e.is_symlink()) for e in entries)
+        found = []
+        for entry in entries:
+            try:
+                found.append((entry.name, entry.stat(follow_symlinks=False)))
+            except OSError:  # gone since the directory was read
+                continue
+    return sorted(found, key=lambda child: child[0])
 
 
-def _symlink_target(real_root: Path, path: Path) -> tuple[Path, str | None]:
+def _symlink_target(real_root: Path, path: str) -> tuple[Path, str | None]:
     """Where a symlink leads, and why it is not shipped (None: a file inside the root)."""
     target = Path(os.path.realpath(path))
     if not target.is_relative_to(real_root):
@@ -398,13 +403,14 @@ def iter_package_files(root: Path, extra_excludes: Collection[str] = ()) -> Iter
     found: list[PackageFile] = []
     while stack:
         base, inherited = stack.pop()
-        directory = root / base
-        rules = inherited + _rules_in(directory, base, rule_files)
-        for name, is_dir, is_link in _children(directory, base, tree):
-            path = directory / name
+        directory = os.path.join(root, base)
+        rules = inherited + _rules_in(Path(directory), base, rule_files)
+        for name, status in _children(directory, base, tree):
+            path = os.path.join(directory, name)
             relative = base + name
+            is_dir, is_link = stat.S_ISDIR(status.st_mode), stat.S_ISLNK(status.st_mode)
             reason = never_shipped(path, relative, is_dir)
-            source = path
+            source = None
             if reason is None and is_link:
                 source, reason = _symlink_target(real_root, path)
             if reason is None and any(
@@ -417,16 +423,18 @@ def iter_package_files(root: Path, extra_excludes: Collection[str] = ()) -> Iter
                 rule = _ignored_by(rules, relative, is_dir)
                 reason = f"ignored by {rule.source}" if rule else None
             if reason is not None:
-                _log_left_out(path, relative, is_dir, reason)
+                _log_left_out(Path(path), relative, is_dir, reason)
             elif is_dir:
                 stack.append((relative + "/", rules))
             else:
-                try:
-                    status = os.stat(source)
-                except OSError:
-                    continue
+                if source is not None:
+                    try:
+                        status = os.stat(source)
+                    except OSError:
+                        continue
                 if stat.S_ISREG(status.st_mode):
                     executable = bool(status.st_mode & 0o111)
-                    found.append(PackageFile(relative, source, status.st_size, executable))
+                    where = source or Path(path)
+                    found.append(PackageFile(relative, where, status.st_size, executable))
     found.sort(key=lambda f: f.relative)
     yield from found
