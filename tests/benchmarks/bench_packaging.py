@@ -16,26 +16,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 from kinetic_prefect.launch.ignore import iter_package_files
 from kinetic_prefect.launch.packaging import ArchiveLimits, build_context_zip
-
-
-def timed(fn: Callable[[], object], repeat: int = 5) -> float:
-    """Median wall time of `repeat` calls."""
-    times = []
-    for _ in range(repeat):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+from tests.benchmarks.bench_data_hashing import timed
 
 
 def write_project(root: Path, files: int) -> None:
