@@ -143,3 +143,27 @@ def test_the_cluster_blocks_schema_is_prefects_built_once_and_handed_out_as_a_co
     assert first == built
     first["properties"].clear()
     assert KineticCluster.model_json_schema() == built
+
+
+def test_code_archive_limits_come_from_resources_the_runner_the_block_or_kinetic_variables():
+    from kinetic_prefect.blocks import KineticCluster, cluster_settings
+
+    env = {"KINETIC_CODE_ARCHIVE_MAX_MB": "50", "KINETIC_CODE_ARCHIVE_MAX_FILES": "900"}
+    block = cluster_settings(KineticCluster(code_archive_max_mb=80))
+
+    assert resolve_settings(environ={}).code_archive_max_mb == 200
+    assert resolve_settings(environ={}).code_archive_max_files == 20_000
+    from_env = resolve_settings(environ=env)
+    assert (from_env.code_archive_max_mb, from_env.code_archive_max_files) == (50.0, 900)
+    assert resolve_settings(environ=env, block=block).code_archive_max_mb == 80
+    on_runner = resolve_settings(environ=env, block=block, runner={"code_archive_max_mb": 300})
+    assert on_runner.code_archive_max_mb == 300
+    with resources(code_archive_max_files=5):
+        overridden = resolve_settings(environ=env, overrides=current_overrides())
+    assert overridden.code_archive_max_files == 5
+
+
+@pytest.mark.parametrize("setting", ["code_archive_max_mb", "code_archive_max_files"])
+def test_a_code_archive_limit_that_is_not_positive_is_refused(setting: str):
+    with pytest.raises(ConfigurationError, match="code_archive_max_mb and code_archive_max_files"):
+        resolve_settings(environ={}, runner={setting: 0})
