@@ -372,7 +372,7 @@ def _symlink_target(real_root: Path, path: str) -> tuple[Path, str | None]:
     """Where a symlink leads, and why it is not shipped (None: a file inside the root)."""
     target = Path(os.path.realpath(path))
     if not target.is_relative_to(real_root):
-        return target, "a symlink to a file outside the package root is never followed"
+        return target, "a symlink leading outside the package root is never followed"
     if target.is_dir():
         return target, "symlinks to directories are not followed (the directory ships itself)"
     inside = target.relative_to(real_root).as_posix()
