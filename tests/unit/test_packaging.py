@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import os
 import subprocess
 import sys
@@ -170,7 +171,9 @@ def test_in_a_git_checkout_an_ignored_1_gb_file_is_never_listed_nor_read(tmp_pat
     assert _names(archive.path) == {".gitignore", ".kineticignore", "pkg/__init__.py", "pkg/new.py"}
 
 
-def test_a_symlink_is_shipped_only_as_a_file_inside_the_root(tmp_path: Path):
+def test_a_symlink_is_shipped_only_as_a_file_inside_the_root(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
     secret = tmp_path / "outside" / "prod.yaml"
     secret.parent.mkdir()
     secret.write_text("password: hunter2\n")
@@ -181,6 +184,7 @@ def test_a_symlink_is_shipped_only_as_a_file_inside_the_root(tmp_path: Path):
     (root / "conf" / "prod.yaml").symlink_to(secret)
     (root / "conf" / "default.yaml").symlink_to("base.yaml")
     (root / "everything").symlink_to(tmp_path)
+    caplog.set_level(logging.DEBUG, logger="prefect.kinetic_prefect.launch.packaging")
 
     archive = build_context_zip(root)
 
@@ -188,15 +192,22 @@ def test_a_symlink_is_shipped_only_as_a_file_inside_the_root(tmp_path: Path):
         assert set(shipped.namelist()) == {"pyproject.toml", "conf/base.yaml", "conf/default.yaml"}
         assert shipped.read("conf/default.yaml") == b"lr: 0.1\n"
     assert b"hunter2" not in archive.path.read_bytes()
+    left_out = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert any("conf/prod.yaml" in m and "outside the package root" in m for m in left_out)
 
 
-def test_a_private_key_under_any_name_is_left_out_by_its_header(tmp_path: Path):
+def test_a_private_key_under_any_name_is_left_out_by_its_header_and_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
     root = tmp_path
+    caplog.set_level(logging.DEBUG, logger="prefect.kinetic_prefect.launch.packaging")
     (root / "pyproject.toml").write_text("")
     (root / "deploy_key").write_text("-----BEGIN OPENSSH PRIVATE KEY-----\nb3Blbg==\n")
     (root / "id_rsa.pub").write_text("ssh-ed25519 AAAA user@host\n")
 
     assert _names(build_context_zip(root).path) == {"pyproject.toml", "id_rsa.pub"}
+    left_out = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert any("deploy_key" in m and "private-key header" in m for m in left_out)
 
 
 def test_the_archive_is_a_temporary_file_removed_with_it(tmp_path: Path):
