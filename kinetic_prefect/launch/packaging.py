@@ -55,15 +55,18 @@ class Artifact:
 def find_package_root(source_file: str | None, explicit: str | None = None) -> Path:
     """The directory shipped with the task: explicit, else the nearest project root.
 
-    The nearest ancestor of the task's source file holding a project marker
-    (pyproject.toml, setup.py, setup.cfg, .git, .kineticignore) wins; without
-    one, the source file's own directory; without a source file, the cwd.
+    The nearest ancestor holding a project marker (pyproject.toml, setup.py,
+    setup.cfg, .git, .kineticignore) of the task's source file wins; without
+    one, the source file's own directory. A task with no source file on disk
+    (a notebook cell, IPython, `python -c`, stdin) belongs to the session's
+    working directory: the nearest marked ancestor of the cwd, else the cwd.
     """
     if explicit:
         return Path(explicit).resolve()
-    if not source_file:
-        return Path.cwd().resolve()
-    start = Path(source_file).resolve().parent
+    if source_file and Path(source_file).is_file():
+        start = Path(source_file).resolve().parent
+    else:
+        start = Path.cwd().resolve()
     for candidate in (start, *start.parents):
         if any((candidate / marker).exists() for marker in ROOT_MARKERS):
             return candidate
