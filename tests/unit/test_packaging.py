@@ -65,6 +65,24 @@ def test_package_root_is_the_nearest_directory_with_a_project_marker(tmp_path: P
     assert find_package_root(str(root / "pkg" / "model.py")) == root
 
 
+@pytest.mark.parametrize("cell_file", ["/tmp/ipykernel_26584/1203398474.py", "<stdin>", None])
+def test_code_without_a_file_belongs_to_the_project_of_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cell_file: str | None
+):
+    root = _tree(tmp_path)
+    monkeypatch.chdir(root / "pkg")
+
+    assert find_package_root(cell_file) == root
+
+
+def test_code_without_a_file_outside_any_project_ships_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.chdir(tmp_path)
+
+    assert find_package_root("<string>") == tmp_path.resolve()
+
+
 def test_unpicklable_parameter_is_named_in_the_error():
     with pytest.raises(PayloadError, match="Parameter 'lock' of task 'train'"):
         check_picklable({"ok": 1, "lock": threading.Lock()}, "train")
