@@ -3,16 +3,20 @@
 No IAM proxy in front: the emulator answers as a user's would (it has no
 `testIamPermissions`). The steps run through bash, in order, from a copy of the
 checkout's `blocks/` and `flows/`; the one substitution is the emulator's address,
-which is this test's server's.
+which is this test's server's. The bucket check before launching is also run on it
+directly, for a bucket that exists and one that does not.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
 import subprocess
 import sys
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,6 +24,9 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 
 from flows.quickstart import DEFAULT_CONFIGS
+from kinetic_prefect.common import gcs as kgcs
+from kinetic_prefect.errors import ConfigurationError
+from kinetic_prefect.launch.preflight import check_jobs_root
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -71,3 +78,29 @@ def test_readme_emulator_steps_run_the_quickstart_on_a_plain_fake_gcs_server(
     # One pod per configuration, each with its result record in the results bucket.
     assert len({blob.name.split("/")[1] for blob in job_files}) == len(DEFAULT_CONFIGS)
     assert len(list(results)) == len(DEFAULT_CONFIGS)
+
+
+@pytest.fixture
+def plain_gcs(gcs_server: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Emulator mode straight on fake-gcs-server (no IAM proxy), with a new bucket."""
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_server)
+    kgcs._clients.clear()
+    bucket = kgcs.storage_client().create_bucket(f"kp-{uuid.uuid4().hex[:12]}")
+    yield bucket.name
+    kgcs._clients.clear()
+
+
+def test_jobs_bucket_check_passes_on_an_emulator_without_test_iam_permissions(
+    plain_gcs: str, caplog: pytest.LogCaptureFixture
+):
+    with caplog.at_level(logging.INFO, logger="prefect.kinetic_prefect.launch.preflight"):
+        check_jobs_root(f"gs://{plain_gcs}/jobs", None)
+
+    assert f"cannot tell the permissions on the jobs bucket gs://{plain_gcs}" in caplog.text
+
+
+def test_jobs_bucket_check_on_an_emulator_still_says_a_missing_bucket_does_not_exist(
+    plain_gcs: str,
+):
+    with pytest.raises(ConfigurationError, match="gs://kp-no-such-bucket does not exist"):
+        check_jobs_root("gs://kp-no-such-bucket", None)

@@ -123,26 +123,31 @@ def test_readme_notebook_maps_a_cell_task_over_pods_and_reruns_an_edited_cell(
 
 STDIN_SCRIPT = """
 import json, os
+from dataclasses import dataclass
 from prefect import flow, task
 from kinetic_prefect import KineticTaskRunner
 from beside import offset
+
+@dataclass
+class Trial:
+    x: int
 
 def doubled(x):
     return 2 * x
 
 @task
-def compute(x):
-    return {"value": doubled(offset(x)), "job": os.environ["KINETIC_JOB_ID"]}
+def compute(trial):
+    return {"value": doubled(offset(trial.x)), "job": os.environ["KINETIC_JOB_ID"]}
 
 @flow(task_runner=KineticTaskRunner())
-def one(x):
-    return compute.submit(x).result()
+def one(trial):
+    return compute.submit(trial).result()
 
-print("RESULT " + json.dumps(one(20)))
+print("RESULT " + json.dumps(one(Trial(20))))
 """
 
 
-def test_script_on_stdin_runs_its_task_in_a_pod_with_the_module_beside_it(
+def test_script_on_stdin_runs_its_task_and_class_in_a_pod_with_the_module_beside_it(
     workdir: Path, prefect_api: str
 ):
     (workdir / "beside.py").write_text("def offset(x):\n    return x + 1\n")
