@@ -149,6 +149,27 @@ def modules_under(root: Path) -> list[ModuleType]:
     return found
 
 
+def import_paths_under(root: Path) -> list[str]:
+    """This process's import path entries below `root`, relative to it, in order.
+
+    A notebook's, a session's or a script's own folder is on its import path (`''`
+    or the script's directory); below its project root, the pod puts the same folder
+    of the code archive on its own, so the modules beside the code import there too.
+    """
+    found: list[str] = []
+    for entry in sys.path:
+        try:
+            path = Path(entry or ".").resolve()
+        except OSError:
+            continue
+        if path == root or not path.is_relative_to(root) or "site-packages" in path.parts:
+            continue
+        relative = path.relative_to(root).as_posix()
+        if relative not in found:
+            found.append(relative)
+    return found
+
+
 # cloudpickle's by-value registry is process-wide; serialise its use.
 _PICKLE_LOCK = threading.Lock()
 

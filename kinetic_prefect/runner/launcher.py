@@ -51,6 +51,7 @@ from kinetic_prefect.launch.packaging import (
     Artifact,
     build_payload,
     find_package_root,
+    import_paths_under,
     size_warning,
     upload_context,
 )
@@ -241,6 +242,8 @@ class Launcher:
                 "versions": versions.fingerprint(),
                 # Where the shipped code lives here: the pod maps its file names for tracebacks.
                 "source_root": str(root),
+                # Folders below the root this process imports from: the pod imports from them too.
+                "import_paths": import_paths_under(root),
             },
             root,
         )

@@ -126,7 +126,6 @@ import json, os
 from dataclasses import dataclass
 from prefect import flow, task
 from kinetic_prefect import KineticTaskRunner
-from beside import offset
 
 @dataclass
 class Trial:
@@ -137,6 +136,8 @@ def doubled(x):
 
 @task
 def compute(trial):
+    from beside import offset  # imported in the pod, from the code archive
+
     return {"value": doubled(offset(trial.x)), "job": os.environ["KINETIC_JOB_ID"]}
 
 @flow(task_runner=KineticTaskRunner())
@@ -147,15 +148,20 @@ print("RESULT " + json.dumps(one(Trial(20))))
 """
 
 
-def test_script_on_stdin_runs_its_task_and_class_in_a_pod_with_the_module_beside_it(
+def test_script_on_stdin_runs_in_a_pod_that_imports_the_module_beside_it_in_its_project(
     workdir: Path, prefect_api: str
 ):
-    (workdir / "beside.py").write_text("def offset(x):\n    return x + 1\n")
+    # The session's folder is below its project's root: the archive holds the whole
+    # project, and the pod imports from the session's folder as the session did.
+    (workdir / "pyproject.toml").write_text("[project]\nname = 'analysis'\n")
+    session = workdir / "sessions"
+    session.mkdir()
+    (session / "beside.py").write_text("def offset(x):\n    return x + 1\n")
 
     result = subprocess.run(
         [sys.executable, "-"],
         input=STDIN_SCRIPT,
-        cwd=workdir,
+        cwd=session,
         env={**os.environ, "PREFECT_API_URL": prefect_api},
         capture_output=True,
         text=True,
@@ -166,4 +172,4 @@ def test_script_on_stdin_runs_its_task_and_class_in_a_pod_with_the_module_beside
     outcome = json.loads(line.removeprefix("RESULT "))
 
     assert outcome["value"] == 2 * (20 + 1)
-    assert (workdir / ".kinetic" / "pods" / f"{outcome['job']}.log").is_file()
+    assert (session / ".kinetic" / "pods" / f"{outcome['job']}.log").is_file()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import sys
 import threading
 import zipfile
 from pathlib import Path
@@ -14,6 +15,7 @@ from kinetic_prefect.launch.packaging import (
     build_context_zip,
     check_picklable,
     find_package_root,
+    import_paths_under,
     size_warning,
 )
 
@@ -81,6 +83,19 @@ def test_code_without_a_file_outside_any_project_ships_the_working_directory(
     monkeypatch.chdir(tmp_path)
 
     assert find_package_root("<string>") == tmp_path.resolve()
+
+
+def test_import_paths_below_the_root_are_the_sessions_and_scripts_folders_in_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    root = _tree(tmp_path)
+    (root / "notebooks").mkdir()
+    monkeypatch.chdir(root / "pkg")
+    site = root / ".venv" / "lib" / "python3.11" / "site-packages"
+    entries = ["", str(root / "notebooks"), str(root), str(site), str(tmp_path.parent), ""]
+    monkeypatch.setattr(sys, "path", entries)
+
+    assert import_paths_under(root.resolve()) == ["pkg", "notebooks"]
 
 
 def test_unpicklable_parameter_is_named_in_the_error():
