@@ -126,17 +126,18 @@ def bucket_verdict(
     """What GCS's answers say about a bucket: a verdict and the permissions it lacks.
 
     `granted` is what `testIamPermissions` granted, None when it answered 404;
-    `read_status` is the status of GET bucket, read only then. A 404 from both
-    means the bucket is missing; a bucket that answers a read (even with 403,
-    which GCS gives only for a bucket that exists) but not `testIamPermissions`
-    is on a server that cannot tell: "unknown".
+    `read_status` is the status of GET bucket, read only then. A bucket that
+    answers the read but not `testIamPermissions` is on a server that cannot
+    tell the permissions: "unknown". Any other answer leaves the 404 standing:
+    "missing" (GCS answers 403 to a caller without storage.buckets.get whether
+    the bucket exists or not).
     """
     if granted is not None:
         missing = [p for p in wanted if p not in granted]
         return ("lacking", missing) if missing else ("granted", [])
-    if read_status == 404:
-        return "missing", []
-    return "unknown", []
+    if read_status == 200:
+        return "unknown", []
+    return "missing", []
 
 
 _LOOPBACK_HOSTS = {"localhost", "ip6-localhost", "ip6-loopback", "0.0.0.0", "::", ""}

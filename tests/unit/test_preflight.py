@@ -18,8 +18,8 @@ WANTED = ("storage.objects.create", "storage.objects.get")
         # It answered 404: the bucket read decides whether the bucket exists.
         (None, 404, ("missing", [])),
         (None, 200, ("unknown", [])),
-        # GCS answers 403 only for a bucket that exists.
-        (None, 403, ("unknown", [])),
+        # GCS's 403 to a caller without storage.buckets.get says nothing of existence.
+        (None, 403, ("missing", [])),
     ],
 )
 def test_bucket_verdict(granted, read_status, verdict):
