@@ -2,9 +2,12 @@
 
     STORAGE_EMULATOR_HOST=http://127.0.0.1:4443 python blocks/save_local_emulator.py
 
-Saves a `GcsBucket` block `kinetic-emulator-results` (with `KineticGcpCredentials`,
+Saves a `GcsBucket` block `local-emulator-results` (with `KineticGcpCredentials`,
 anonymous in emulator mode) and a `KineticCluster` block `local-emulator` whose
-jobs bucket and result storage live in the emulator. Buckets are created if missing.
+jobs bucket (`kinetic-jobs`) and result storage (`kinetic-results`) live in the
+emulator. Buckets are created if missing. Then, with the same STORAGE_EMULATOR_HOST:
+
+    KINETIC_CLUSTER=local-emulator python flows/quickstart.py
 """
 
 from __future__ import annotations

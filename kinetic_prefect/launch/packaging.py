@@ -74,15 +74,18 @@ class Artifact:
 def find_package_root(source_file: str | None, explicit: str | None = None) -> Path:
     """The directory shipped with the task: explicit, else the nearest project root.
 
-    The nearest ancestor of the task's source file holding a project marker
-    (pyproject.toml, setup.py, setup.cfg, .git, .kineticignore) wins; without
-    one, the source file's own directory; without a source file, the cwd.
+    The nearest ancestor holding a project marker (pyproject.toml, setup.py,
+    setup.cfg, .git, .kineticignore) of the task's source file wins; without
+    one, the source file's own directory. A task with no source file on disk
+    (a notebook cell, IPython, `python -c`, stdin) belongs to the session's
+    working directory: the nearest marked ancestor of the cwd, else the cwd.
     """
     if explicit:
         return Path(explicit).resolve()
-    if not source_file:
-        return Path.cwd().resolve()
-    start = Path(source_file).resolve().parent
+    if source_file and Path(source_file).is_file():
+        start = Path(source_file).resolve().parent
+    else:
+        start = Path.cwd().resolve()
     for candidate in (start, *start.parents):
         if any((candidate / marker).exists() for marker in ROOT_MARKERS):
             return candidate
@@ -317,6 +320,27 @@ def modules_under(root: Path) -> list[ModuleType]:
             continue
         if path.is_relative_to(root) and "site-packages" not in path.parts:
             found.append(module)
+    return found
+
+
+def import_paths_under(root: Path) -> list[str]:
+    """This process's import path entries below `root`, relative to it, in order.
+
+    A notebook's, a session's or a script's own folder is on its import path (`''`
+    or the script's directory); below its project root, the pod puts the same folder
+    of the code archive on its own, so the modules beside the code import there too.
+    """
+    found: list[str] = []
+    for entry in sys.path:
+        try:
+            path = Path(entry or ".").resolve()
+        except OSError:
+            continue
+        if path == root or not path.is_relative_to(root) or "site-packages" in path.parts:
+            continue
+        relative = path.relative_to(root).as_posix()
+        if relative not in found:
+            found.append(relative)
     return found
 
 

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Collection, Sequence
+from typing import Any, Literal
+
+from prefect.logging import get_logger
 
 from kinetic_prefect.common import gcs
 from kinetic_prefect.errors import ConfigurationError
+
+logger = get_logger("kinetic_prefect.launch.preflight")
+
+BucketVerdict = Literal["granted", "lacking", "missing", "unknown"]
 
 
 def check_result_storage(storage: Any) -> None:
@@ -62,28 +69,75 @@ def check_bucket_permissions(
     """The bucket exists and the configured credentials hold `wanted` on it.
 
     Asked with `testIamPermissions`, which needs no permission itself, so a
-    missing grant is named rather than seen as an unreachable bucket.
+    missing grant is named rather than seen as an unreachable bucket. A server
+    without it (fake-gcs-server answers 404) cannot tell the permissions: a read
+    of the bucket then tells whether it exists, and the check passes (logged).
     """
     from google.api_core.exceptions import NotFound
 
     client = orchestrator_client(cluster)
+    granted: set[str] | None = None
+    read_status: int | None = None
     try:
-        granted = set(client.bucket(bucket).test_iam_permissions(list(wanted)))
-    except NotFound as exc:
-        raise ConfigurationError(
-            f"The {what} gs://{bucket} does not exist. Create it (gcloud storage buckets "
-            f"create gs://{bucket}) or {instead}."
-        ) from exc
+        try:
+            granted = set(client.bucket(bucket).test_iam_permissions(list(wanted)))
+        except NotFound:
+            read_status = _bucket_read_status(client, bucket)
     except Exception as exc:
         raise ConfigurationError(
             f"Cannot reach the {what} gs://{bucket}: {exc}. Check the credentials' access."
         ) from exc
-    missing = [p for p in wanted if p not in granted]
-    if missing:
+    verdict, missing = bucket_verdict(wanted, granted, read_status)
+    if verdict == "missing":
+        raise ConfigurationError(
+            f"The {what} gs://{bucket} does not exist. Create it (gcloud storage buckets "
+            f"create gs://{bucket}) or {instead}."
+        )
+    if verdict == "lacking":
         raise ConfigurationError(
             f"The credentials lack {', '.join(missing)} on the {what} gs://{bucket}. "
             + gcs.grant_hint(bucket, missing)
         )
+    if verdict == "unknown":
+        logger.info(
+            "The storage server cannot tell the permissions on the %s gs://%s "
+            "(no testIamPermissions, as on an emulator); going on without checking them.",
+            what,
+            bucket,
+        )
+
+
+def _bucket_read_status(client: Any, bucket: str) -> int:
+    """The HTTP status of a read of the bucket's metadata (GET bucket)."""
+    from google.api_core.exceptions import Forbidden, NotFound
+
+    try:
+        client.get_bucket(bucket)
+    except NotFound:
+        return 404
+    except Forbidden:
+        return 403
+    return 200
+
+
+def bucket_verdict(
+    wanted: Sequence[str], granted: Collection[str] | None, read_status: int | None
+) -> tuple[BucketVerdict, list[str]]:
+    """What GCS's answers say about a bucket: a verdict and the permissions it lacks.
+
+    `granted` is what `testIamPermissions` granted, None when it answered 404;
+    `read_status` is the status of GET bucket, read only then. A bucket that
+    answers the read but not `testIamPermissions` is on a server that cannot
+    tell the permissions: "unknown". Any other answer leaves the 404 standing:
+    "missing" (GCS answers 403 to a caller without storage.buckets.get whether
+    the bucket exists or not).
+    """
+    if granted is not None:
+        missing = [p for p in wanted if p not in granted]
+        return ("lacking", missing) if missing else ("granted", [])
+    if read_status == 200:
+        return "unknown", []
+    return "missing", []
 
 
 _LOOPBACK_HOSTS = {"localhost", "ip6-localhost", "ip6-loopback", "0.0.0.0", "::", ""}

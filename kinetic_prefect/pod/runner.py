@@ -219,6 +219,18 @@ def unpickle(run: PodRun) -> None:
 
         run.contents = cloudpickle.loads(run.payload_bytes or b"")
         run.payload_bytes = None
+        _add_import_paths(run)
+
+
+def _add_import_paths(run: PodRun) -> None:
+    """The archive's folders the submitting process imported from go on the import path,
+    in its order, ahead of the archive's root (a notebook's folder below its project)."""
+    if run.workdir is None:
+        return
+    for relative in reversed(run.contents.get("import_paths", [])):
+        folder = str(run.workdir / relative)
+        if Path(folder).is_dir() and folder not in sys.path:
+            sys.path.insert(0, folder)
 
 
 def resolve_data(run: PodRun) -> None:

@@ -53,6 +53,7 @@ from kinetic_prefect.launch.packaging import (
     build_payload,
     check_package_root,
     find_package_root,
+    import_paths_under,
     payload_size_warning,
     upload_context,
 )
@@ -258,6 +259,8 @@ class Launcher:
                 "versions": versions.fingerprint(),
                 # Where the shipped code lives here: the pod maps its file names for tracebacks.
                 "source_root": str(root),
+                # Folders below the root this process imports from: the pod imports from them too.
+                "import_paths": import_paths_under(root),
             },
             root,
         )

@@ -22,6 +22,7 @@ from kinetic_prefect.launch.packaging import (
     check_package_root,
     check_picklable,
     find_package_root,
+    import_paths_under,
 )
 
 
@@ -70,6 +71,37 @@ def test_package_root_is_the_nearest_directory_with_a_project_marker(tmp_path: P
     root = _tree(tmp_path)
 
     assert find_package_root(str(root / "pkg" / "model.py")) == root
+
+
+@pytest.mark.parametrize("cell_file", ["/tmp/ipykernel_26584/1203398474.py", "<stdin>", None])
+def test_code_without_a_file_belongs_to_the_project_of_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cell_file: str | None
+):
+    root = _tree(tmp_path)
+    monkeypatch.chdir(root / "pkg")
+
+    assert find_package_root(cell_file) == root
+
+
+def test_code_without_a_file_outside_any_project_ships_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.chdir(tmp_path)
+
+    assert find_package_root("<string>") == tmp_path.resolve()
+
+
+def test_import_paths_below_the_root_are_the_sessions_and_scripts_folders_in_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    root = _tree(tmp_path)
+    (root / "notebooks").mkdir()
+    monkeypatch.chdir(root / "pkg")
+    site = root / ".venv" / "lib" / "python3.11" / "site-packages"
+    entries = ["", str(root / "notebooks"), str(root), str(site), str(tmp_path.parent), ""]
+    monkeypatch.setattr(sys, "path", entries)
+
+    assert import_paths_under(root.resolve()) == ["pkg", "notebooks"]
 
 
 def test_unpicklable_parameter_is_named_in_the_error():
