@@ -200,6 +200,11 @@ class KineticCluster(Block):
         description="The most files the code archive may hold (default 20000); past it a "
         "launch is refused before any upload.",
     )
+    node_cache_max_gb: float | None = Field(
+        default=None,
+        description="The most a node's cache of unpacked shipped environments may hold, in GB "
+        "(default 20); least recently used ones no pod uses are removed past it.",
+    )
     environment: Literal["auto", "ship", "image"] | None = Field(
         default=None,
         description="The task's Python environment: 'ship' (resolved, built once and "
@@ -294,6 +299,7 @@ def cluster_settings(cluster: KineticCluster) -> dict[str, Any]:
         "warm_pod_idle_seconds": cluster.warm_pod_idle_seconds,
         "code_archive_max_mb": cluster.code_archive_max_mb,
         "code_archive_max_files": cluster.code_archive_max_files,
+        "node_cache_max_gb": cluster.node_cache_max_gb,
         "environment": cluster.environment,
         "requirements": cluster.requirements,
         "environment_builder": cluster.environment_builder,

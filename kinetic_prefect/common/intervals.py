@@ -90,6 +90,11 @@ class Intervals:
     # before the grace ends so the final state is still written.
     emergency_window_seconds: float = 10.0
 
+    # How long a pod keeps asking the metadata server for its token: under Workload Identity
+    # GKE's metadata server does not answer a new pod for its first seconds
+    # (https://cloud.google.com/kubernetes-engine/docs/how-to/workload-identity#limitations).
+    metadata_wait_seconds: float = 60.0
+
     # -- local backend ------------------------------------------------------------------
     # How long a local pod template may take to answer a fork request.
     template_reply_seconds: float = 120.0

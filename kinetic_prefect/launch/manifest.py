@@ -15,6 +15,7 @@ from typing import Any
 
 from kinetic_prefect.common.env import (
     ENV_CACHE_ENV,
+    NODE_CACHE_MAX_GB_ENV,
     JOB_ID_ENV,
     OUTPUT_DIR_ENV,
     POD_ACCELERATOR_ENV,
@@ -127,6 +128,8 @@ class LaunchSpec:
     ttl_seconds_after_finished: int = 3600
     service_account: str | None = None
     intervals: Intervals = field(default_factory=Intervals)
+    # The node cache's size cap a shipped environment's pod prunes to (`node_cache_max_gb`).
+    node_cache_max_gb: float = 20.0
     # Only a flow-run pod talks to the Kubernetes API (to launch its task pods);
     # task pods never get a service-account token.
     automount_service_account_token: bool = False
@@ -265,6 +268,7 @@ def base_job_manifest(spec: LaunchSpec) -> dict[str, Any]:
                                     spec.job_dir_uri)  # fmt: skip
         command, args = shipped[:3], shipped[3:]
         env.append({"name": ENV_CACHE_ENV, "value": ENV_CACHE_MOUNT})
+        env.append({"name": NODE_CACHE_MAX_GB_ENV, "value": f"{spec.node_cache_max_gb:g}"})
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": spec.image,

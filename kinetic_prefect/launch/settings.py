@@ -107,6 +107,10 @@ class LaunchSettings:
     # anything is read or uploaded, naming the largest files and directories.
     code_archive_max_mb: float = 200.0
     code_archive_max_files: int = 20_000
+    # The most the node's cache of unpacked shipped environments may hold, in GB (10^9
+    # bytes): a pod that unpacks a new one removes the least recently used environments no
+    # running pod uses until the cache fits (docs/environments.md "The node cache").
+    node_cache_max_gb: float = 20.0
     # Every interval the runner, its backend and its pods wait on (docs/intervals.md); pods
     # get the changed ones through their manifest.
     intervals: Intervals = field(default_factory=Intervals)
@@ -184,6 +188,7 @@ _ENV_PARSERS: dict[str, Any] = {
     "pod_overrides": json.loads,
     "code_archive_max_mb": float,
     "code_archive_max_files": int,
+    "node_cache_max_gb": float,
     # A JSON object of the intervals to change (`kinetic_prefect.common.intervals`).
     "intervals": parse_intervals_env,
 }
@@ -355,6 +360,11 @@ def _validate(settings: LaunchSettings) -> None:
         raise ConfigurationError(
             "code_archive_max_mb and code_archive_max_files must be above zero (the most the "
             "code archive may hold); leave large files out with .kineticignore instead."
+        )
+    if settings.node_cache_max_gb <= 0:
+        raise ConfigurationError(
+            "node_cache_max_gb must be above zero: the most, in GB, the node's cache of "
+            "unpacked environments may hold (an environment for a TPU stack is about 1.3 GB)."
         )
     _check_warm_idle(settings)
     _check_queue_name(settings.queue_name)

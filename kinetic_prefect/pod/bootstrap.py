@@ -31,10 +31,12 @@ in a short pod as the task pods' service account and reads it from the log.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import gzip
 import hashlib
 import hmac
+import http.client
 import json
 import os
 import shutil
@@ -68,10 +70,15 @@ UNPACKED_MARKER = ".kinetic-env-ready"
 # Inside the environment: the spec it was built from (a flow pod plans its tasks' from it).
 ENV_SPEC_FILE = "kinetic-environment.json"
 
-_METADATA_ACCOUNT_URL = (
-    "http://metadata.google.internal/computeMetadata/v1/instance/service-accounts/default"
-)
-_METADATA_TOKEN_URL = f"{_METADATA_ACCOUNT_URL}/token"
+# The metadata server, named as google-auth names it: `GCE_METADATA_HOST`, then its older
+# name `GCE_METADATA_ROOT`, else the host every GKE and Compute Engine pod resolves.
+METADATA_HOST_ENVS = ("GCE_METADATA_HOST", "GCE_METADATA_ROOT")
+_METADATA_DEFAULT_HOST = "metadata.google.internal"
+_METADATA_ACCOUNT_PATH = "/computeMetadata/v1/instance/service-accounts/default"
+INTERVALS_ENV = "KINETIC_INTERVALS"
+# The node cache's size cap, in GB (10^9 bytes); the launch setting `node_cache_max_gb`.
+NODE_CACHE_MAX_GB_ENV = "KINETIC_NODE_CACHE_MAX_GB"
+DEFAULT_NODE_CACHE_MAX_GB = 20.0
 # What starts the line `test-iam` prints (read back by `kinetic_prefect.cli.doctor`).
 IAM_ANSWER_PREFIX = "kinetic-prefect-iam: "
 _GCS_HOST = "https://storage.googleapis.com"
@@ -87,17 +94,62 @@ class EnvironmentFailure(Exception):
 # -- storage: gs:// through the JSON API, or a local path ------------------------------------
 
 
-def _token() -> str | None:
-    if os.environ.get("STORAGE_EMULATOR_HOST"):
-        return None
-    request = urllib.request.Request(_METADATA_TOKEN_URL, headers={"Metadata-Flavor": "Google"})
+def _metadata_host() -> str | None:
+    """The metadata server to ask for a token; None in emulator mode without one."""
+    for name in METADATA_HOST_ENVS:
+        if os.environ.get(name):
+            return os.environ[name]
+    return None if os.environ.get("STORAGE_EMULATOR_HOST") else _METADATA_DEFAULT_HOST
+
+
+def metadata_wait() -> float:
+    """How long a pod keeps asking a metadata server that does not answer yet.
+
+    `Intervals.metadata_wait_seconds`, from the manifest's `KINETIC_INTERVALS`: this file
+    cannot import `kinetic_prefect.common.intervals`, so it reads the JSON itself, and
+    the default is written again here (a unit test keeps the two equal).
+    """
     try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return json.load(response)["access_token"]
-    except OSError as exc:
+        changed = json.loads(os.environ.get(INTERVALS_ENV) or "{}")
+        return float(changed.get("metadata_wait_seconds", 60.0))
+    except (ValueError, TypeError, AttributeError):
+        return 60.0
+
+
+def _metadata_get(path: str) -> bytes:
+    """GET a metadata path, retrying refusals and 5xx answers for `metadata_wait()`.
+
+    Under Workload Identity GKE's metadata server does not answer a new pod for its
+    first seconds (docs/kubernetes.md "Workload Identity at pod start").
+    """
+    url = f"http://{_metadata_host()}{_METADATA_ACCOUNT_PATH}{path}"
+    deadline = time.monotonic() + metadata_wait()
+    delay = 0.25
+    while True:
+        request = urllib.request.Request(url, headers={"Metadata-Flavor": "Google"})
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return response.read()
+        except urllib.error.HTTPError as exc:
+            if exc.code < 500 or time.monotonic() + delay > deadline:
+                raise
+        except OSError:
+            if time.monotonic() + delay > deadline:
+                raise
+        time.sleep(delay)
+        delay = min(delay * 2, 4.0)
+
+
+def _token() -> str | None:
+    if _metadata_host() is None:
+        return None
+    try:
+        return json.loads(_metadata_get("/token"))["access_token"]
+    except (OSError, ValueError, KeyError) as exc:
         raise EnvironmentFailure(
-            f"no credentials for GCS: the metadata server did not answer ({exc}); the pod's "
-            "service account needs Workload Identity"
+            f"no credentials for GCS: the metadata server at {_metadata_host()} did not give "
+            f"a token within {metadata_wait():g}s ({exc}); the pod's service account needs "
+            "Workload Identity"
         ) from exc
 
 
@@ -144,22 +196,64 @@ def _request(url: str, method: str = "GET", body: object = None, headers: dict |
 
 
 def download(uri: str, destination: Path) -> str:
-    """Copy `uri` to `destination`; the sha256 of what arrived."""
+    """Copy `uri` to `destination`; the sha256 of what arrived.
+
+    A connection lost mid-body resumes where it stopped (an HTTP Range request), as
+    long as each attempt brings more bytes; the caller verifies the sha256 of the whole.
+    """
+    if not uri.startswith("gs://"):
+        shutil.copyfile(uri.removeprefix("file://"), destination)
+        return _sha256(destination)
+    bucket, name = _split_gs(uri)
+    url = f"{_gcs_host()}/storage/v1/b/{bucket}/o/{urllib.parse.quote(name, safe='')}?alt=media"
+    received = 0
+    total: int | None = None
+    stalls = 0
     digest = hashlib.sha256()
     with open(destination, "wb") as out:
-        if uri.startswith("gs://"):
-            bucket, name = _split_gs(uri)
-            url = (
-                f"{_gcs_host()}/storage/v1/b/{bucket}/o/"
-                f"{urllib.parse.quote(name, safe='')}?alt=media"
-            )
-            source = _request(url)
-        else:
-            source = open(uri.removeprefix("file://"), "rb")  # noqa: SIM115 (closed below)
-        with source:
-            while chunk := source.read(_CHUNK):
-                digest.update(chunk)
-                out.write(chunk)
+        while total is None or received < total:
+            before = received
+            with _request(
+                url, headers={"Range": f"bytes={received}-"} if received else {}
+            ) as source:
+                if received and source.status != 206:  # the Range was ignored: start over
+                    out.seek(0)
+                    out.truncate()
+                    received = 0
+                    digest = hashlib.sha256()
+                total = _body_length(source, received)
+                try:
+                    while chunk := source.read(_CHUNK):
+                        digest.update(chunk)
+                        out.write(chunk)
+                        received += len(chunk)
+                except (OSError, http.client.HTTPException):
+                    pass  # resumed below
+            if total is None:  # no length given: what arrived is all there is
+                break
+            stalls = 0 if received > before else stalls + 1
+            if received < total and stalls >= _ATTEMPTS:
+                raise EnvironmentFailure(
+                    f"{uri}: the connection kept breaking at byte {received} of {total}"
+                )
+    return digest.hexdigest()
+
+
+def _body_length(response, start: int) -> int | None:  # type: ignore[no-untyped-def]
+    """The whole object's size from a 200's Content-Length or a 206's Content-Range."""
+    ranged = response.headers.get("Content-Range", "")
+    if response.status == 206 and "/" in ranged:
+        size = ranged.rpartition("/")[2]
+        return int(size) if size.isdigit() else None
+    length = response.headers.get("Content-Length")
+    return start + int(length) if length and length.isdigit() else None
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as data:
+        while chunk := data.read(_CHUNK):
+            digest.update(chunk)
     return digest.hexdigest()
 
 
@@ -230,11 +324,7 @@ def pack(directory: Path, archive: Path) -> tuple[str, int]:
                 raise EnvironmentFailure(f"packing {directory} failed (tar or gzip)")
     else:
         _pack_with_tarfile(directory, archive)
-    digest = hashlib.sha256()
-    with open(archive, "rb") as packed:
-        while chunk := packed.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest(), files
+    return _sha256(archive), files
 
 
 def _pack_with_tarfile(directory: Path, archive: Path) -> None:
@@ -280,14 +370,16 @@ def ready_environment(archive_uri: str, sha256: str, key: str) -> Path:
     """The unpacked environment on this node: unpacked now unless an earlier pod did it."""
     cache = Path(os.environ.get(ENV_CACHE_ENV) or DEFAULT_CACHE)
     target = cache / key
+    cache.mkdir(parents=True, exist_ok=True)
+    hold_in_use(cache, key)
     if (target / UNPACKED_MARKER).is_file():
         return target
-    cache.mkdir(parents=True, exist_ok=True)
     # Pods starting together on a node unpack once: the others wait for the first.
     with open(cache / f".{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (target / UNPACKED_MARKER).is_file():
             _download_and_unpack(archive_uri, sha256, cache, target)
+            prune_cache(cache, node_cache_max_bytes(), keep=key)
     return target
 
 
@@ -312,10 +404,113 @@ def _download_and_unpack(archive_uri: str, sha256: str, cache: Path, target: Pat
         unpack(archive, unpacked)
         archive.unlink()
         (unpacked / UNPACKED_MARKER).write_text(sha256)
+        (cache / f".{target.name}.size").write_text(str(_tree_size(unpacked)))
         shutil.rmtree(target, ignore_errors=True)  # a partial copy of an interrupted pod
         os.rename(unpacked, target)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+# -- the node cache: least recently used environments go past the size cap --------------------
+#
+# Each pod holds a shared flock on its environment's `.{key}.use` for its whole life and
+# touches that file when it starts: its mtime is the environment's last use. A pod that
+# unpacks a new environment then prunes (one pod at a time, `.prune.lock`): it takes an
+# environment only when it gets that lock exclusively without waiting, so no environment a
+# running pod uses goes away; a pod starting meanwhile waits for the removal to end and
+# unpacks it again. The lock files stay (a few bytes each): removing a lock file another
+# pod holds open would let two pods lock two different files.
+
+_HELD_IN_USE: list[object] = []  # open for the pod's life: closing one releases its lock
+
+
+def hold_in_use(cache: Path, key: str) -> None:
+    """Mark `key` used now and in use until this process ends (see above)."""
+    try:
+        use = open(cache / f".{key}.use", "a")  # noqa: SIM115 (held until the process ends)
+    except OSError:  # a read-only cache: nothing here prunes it
+        return
+    fcntl.flock(use, fcntl.LOCK_SH)
+    os.utime(use.fileno())
+    _HELD_IN_USE.append(use)
+
+
+def node_cache_max_bytes() -> int:
+    """The node cache's size cap (`KINETIC_NODE_CACHE_MAX_GB`, default 20 GB)."""
+    try:
+        return int(float(os.environ.get(NODE_CACHE_MAX_GB_ENV) or DEFAULT_NODE_CACHE_MAX_GB) * 1e9)
+    except ValueError:
+        return int(DEFAULT_NODE_CACHE_MAX_GB * 1e9)
+
+
+def prune_plan(entries: list[tuple[str, int, float]], max_bytes: int, keep: set[str]) -> list[str]:
+    """The environments to remove, least recently used first, until the rest fit `max_bytes`.
+
+    `entries` are (key, size in bytes, last use); `keep` are never removed (in use, or
+    being readied), even when the rest cannot fit without them.
+    """
+    total = sum(size for _, size, _ in entries)
+    removed = []
+    for key, size, _ in sorted(entries, key=lambda entry: entry[2]):
+        if total <= max_bytes:
+            break
+        if key not in keep:
+            removed.append(key)
+            total -= size
+    return removed
+
+
+def _tree_size(directory: Path) -> int:
+    total = 0
+    for root, _, names in os.walk(directory):
+        for name in names:
+            with contextlib.suppress(OSError):  # removed meanwhile
+                total += os.lstat(os.path.join(root, name)).st_size
+    return total
+
+
+def _cached_size(cache: Path, key: str) -> int:
+    """The unpacked size of `key`, walked once and then kept beside it."""
+    record = cache / f".{key}.size"
+    try:
+        return int(record.read_text())
+    except (OSError, ValueError):
+        size = _tree_size(cache / key)
+        record.write_text(str(size))
+        return size
+
+
+def prune_cache(cache: Path, max_bytes: int, keep: str) -> list[str]:
+    """Remove least recently used environments past `max_bytes`; the keys removed."""
+    with open(cache / ".prune.lock", "w") as prune_lock:
+        fcntl.flock(prune_lock, fcntl.LOCK_EX)
+        entries, held, busy = [], {}, {keep}
+        for path in cache.iterdir():
+            if path.name.startswith(".") or not (path / UNPACKED_MARKER).is_file():
+                continue
+            use = open(cache / f".{path.name}.use", "a")  # noqa: SIM115 (closed below)
+            try:
+                fcntl.flock(use, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held[path.name] = use
+            except BlockingIOError:
+                use.close()
+                busy.add(path.name)
+            entries.append((path.name, _cached_size(cache, path.name), os.stat(use.name).st_mtime))
+        try:
+            removed = prune_plan(entries, max_bytes, busy)
+            for key in removed:
+                (cache / key / UNPACKED_MARKER).unlink()  # never half an environment marked ready
+                shutil.rmtree(cache / key, ignore_errors=True)
+                (cache / f".{key}.size").unlink(missing_ok=True)
+        finally:
+            for use in held.values():
+                use.close()
+    if removed:
+        sys.stderr.write(
+            f"kinetic-prefect pod: node cache over {max_bytes / 1e9:g} GB: removed the least "
+            f"recently used environment(s) {', '.join(k[:12] for k in removed)}\n"
+        )
+    return removed
 
 
 def start_module(environment: Path, module: str, args: list[str]) -> None:
@@ -506,14 +701,10 @@ def _build(options: argparse.Namespace, work: Path) -> int:
 
 def _account_email() -> str | None:
     """The Google service account this pod acts as, when a metadata server says so."""
-    if os.environ.get("STORAGE_EMULATOR_HOST"):
+    if _metadata_host() is None:
         return None
-    request = urllib.request.Request(
-        f"{_METADATA_ACCOUNT_URL}/email", headers={"Metadata-Flavor": "Google"}
-    )
     try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return response.read().decode().strip() or None
+        return _metadata_get("/email").decode().strip() or None
     except OSError:
         return None
 

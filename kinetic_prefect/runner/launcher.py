@@ -230,6 +230,7 @@ class Launcher:
             timeout_seconds=settings.timeout_seconds,
             ttl_seconds_after_finished=settings.ttl_seconds_after_finished,
             intervals=settings.intervals,
+            node_cache_max_gb=settings.node_cache_max_gb,
             service_account=settings.service_account,
             data_volumes=launch.data_volumes,
             extra_labels=identity_labels(launch),

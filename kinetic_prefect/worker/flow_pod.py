@@ -258,6 +258,7 @@ def plan_flow_pod(
         timeout_seconds=settings.timeout_seconds,
         ttl_seconds_after_finished=settings.ttl_seconds_after_finished,
         intervals=settings.intervals,
+        node_cache_max_gb=settings.node_cache_max_gb,
         service_account=configuration.flow_service_account,
         automount_service_account_token=True,
         command=tuple(shlex.split(configuration.command or FLOW_RUN_COMMAND)),

@@ -6,6 +6,7 @@ import http.client
 import http.server
 import json
 import socket
+import struct
 import subprocess
 import threading
 import urllib.request
@@ -76,12 +77,21 @@ def fake_gcs_server() -> Iterator[str]:
 class FaultInjectingProxy:
     """Forwards HTTP to `upstream`, answering 503 to every `every`-th request (None: never).
 
-    `uploaded` lists the object names of the uploads that went through, in order.
+    With `reset_after`, the first object download (`alt=media`) sends its headers and
+    that many bytes of its body, then the connection is reset (a TCP RST, as a client
+    sees a connection lost mid-body); `resets` counts it. `ranges` lists the Range
+    headers of the requests, in order. `uploaded` lists the object names of the uploads
+    that went through, in order.
     """
 
-    def __init__(self, upstream: str, every: int | None = 5) -> None:
+    def __init__(
+        self, upstream: str, every: int | None = 5, reset_after: int | None = None
+    ) -> None:
         self.upstream = upstream.removeprefix("http://")
         self.every = every
+        self.reset_after = reset_after
+        self.resets = 0
+        self.ranges: list[str | None] = []
         self.requests = 0
         self.injected = 0
         self.uploaded: list[str] = []
@@ -99,8 +109,15 @@ class FaultInjectingProxy:
                 body = self.rfile.read(length) if length else None
                 with proxy._lock:
                     proxy.requests += 1
+                    proxy.ranges.append(self.headers.get("Range"))
                     fail = bool(proxy.every) and proxy.requests % proxy.every == 0
                     proxy.injected += fail
+                    reset = (
+                        proxy.reset_after is not None
+                        and not proxy.resets
+                        and "alt=media" in self.path
+                    )
+                    proxy.resets += reset
                 if fail:
                     self.send_response(503)
                     self.send_header("Content-Length", "0")
@@ -120,8 +137,21 @@ class FaultInjectingProxy:
                         self.send_header(key, value)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
-                self.wfile.write(data)
+                if reset:
+                    self._reset_after(data[: proxy.reset_after])
+                else:
+                    self.wfile.write(data)
                 connection.close()
+
+            def _reset_after(self, sent: bytes) -> None:
+                self.wfile.write(sent)
+                self.wfile.flush()
+                # Linger on, with a zero timeout: close() sends RST, not FIN.
+                self.connection.setsockopt(
+                    socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+                )
+                self.close_connection = True
+                self.connection.close()
 
             do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = _forward
 

@@ -389,7 +389,8 @@ class Kubelet:
             ]
         )
         if self.metadata is not None:  # Workload Identity's ADC (tests/support/metadata_server.py)
-            container["env"].extend({"name": k, "value": v} for k, v in self.metadata.env().items())
+            identity = self.metadata.pod_env(pod.names[0]).items()
+            container["env"].extend({"name": k, "value": v} for k, v in identity)
         self.local.launch(
             manifest, on_exit=lambda outcome: self._exited(pod, outcome), secrets=values
         )

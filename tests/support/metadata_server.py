@@ -9,13 +9,22 @@ was started for; `env()` is the `GCE_METADATA_HOST` / `GCE_METADATA_IP` pair tha
 points google-auth at it. The tokens it issues are opaque: which identity a GCS
 request acts as is decided by the IAM proxy's port (tests/support/gcs_iam.py),
 so these only let ADC-using code start.
+
+Each pod the kubelet starts gets an address of its own (`pod_env`), as GKE's metadata
+server tells pods apart by their IP. GKE documents that its metadata server needs a
+few seconds before it accepts requests from a newly created pod
+(https://cloud.google.com/kubernetes-engine/docs/how-to/workload-identity#limitations):
+with `new_pod_seconds`, a pod's connections in its first seconds are closed unanswered.
+`requests` logs every request as (pod, path, status), "refused" for those.
 """
 
 from __future__ import annotations
 
 import http.server
 import json
+import socket
 import threading
+import time
 from typing import Any
 
 _FLAVOR = "Metadata-Flavor"
@@ -55,10 +64,15 @@ def respond(
 
 
 class MetadataServer:
-    def __init__(self, project: str, email: str = "default") -> None:
+    def __init__(self, project: str, email: str = "default", new_pod_seconds: float = 0.0) -> None:
         self.project = project
         self.email = email
+        self.new_pod_seconds = new_pod_seconds
+        # (pod, path, status or "refused"); pod "" for the address of `env()`.
+        self.requests: list[tuple[str, str, int | str]] = []
         self._server: http.server.ThreadingHTTPServer | None = None
+        self._pod_servers: dict[str, http.server.ThreadingHTTPServer] = {}
+        self._lock = threading.Lock()
 
     def answer(self, path: str) -> tuple[int, str, str] | None:
         """(status, content type, body) for a metadata path, None when unknown."""
@@ -82,26 +96,56 @@ class MetadataServer:
             return 200, "application/json", json.dumps(token)
         return None
 
-    def __enter__(self) -> MetadataServer:
+    def _handler(self, pod: str) -> type[http.server.BaseHTTPRequestHandler]:
         outer = self
+        ready_at = time.monotonic() + (self.new_pod_seconds if pod else 0.0)
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def log_message(self, *args: Any) -> None:
                 pass
 
             def do_GET(self) -> None:
+                if time.monotonic() < ready_at:
+                    outer._log(pod, self.path, "refused")
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
                 found = outer.answer(self.path)
                 if self.headers.get(_FLAVOR) != "Google" or found is None:
+                    outer._log(pod, self.path, 403 if found else 404)
                     self.send_response(403 if found else 404)
                     self.end_headers()
                     return
+                outer._log(pod, self.path, found[0])
                 respond(self, *found, headers={_FLAVOR: "Google"})
 
-        self._server = serve(Handler)
+        return Handler
+
+    def _log(self, pod: str, path: str, status: int | str) -> None:
+        with self._lock:
+            self.requests.append((pod, path.split("?", 1)[0], status))
+
+    def __enter__(self) -> MetadataServer:
+        self._server = serve(self._handler(""))
         return self
 
     def __exit__(self, *exc: object) -> None:
         stop(self._server)
+        for server in self._pod_servers.values():
+            stop(server)
+
+    def pod_env(self, pod: str) -> dict[str, str]:
+        """What points a new pod at this server, at an address of its own (see above)."""
+        with self._lock:
+            if pod not in self._pod_servers:
+                self._pod_servers[pod] = serve(self._handler(pod))
+            port = self._pod_servers[pod].server_address[1]
+        return {"GCE_METADATA_HOST": f"127.0.0.1:{port}", "GCE_METADATA_IP": f"127.0.0.1:{port}"}
+
+    def token_requests(self, pod: str) -> list[int | str]:
+        """The statuses of `pod`'s token requests, in order."""
+        with self._lock:
+            return [s for p, path, s in self.requests if p == pod and path.endswith("/token")]
 
     def env(self) -> dict[str, str]:
         """What points google-auth's ADC at this server."""

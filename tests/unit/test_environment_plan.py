@@ -12,7 +12,8 @@ from kinetic_prefect.common.layout import FINAL_STATE_JSON
 from kinetic_prefect.errors import ConfigurationError
 from kinetic_prefect.launch import environment
 from kinetic_prefect.launch.accelerators import parse_accelerator
-from kinetic_prefect.launch.settings import resolve_settings
+from kinetic_prefect.common.intervals import Intervals
+from kinetic_prefect.launch.settings import LaunchSettings, resolve_settings
 from kinetic_prefect.pod import bootstrap, runner
 
 REPO = Path(__file__).resolve().parents[2]
@@ -23,6 +24,10 @@ def test_the_bootstrap_speaks_the_contract_the_package_writes() -> None:
     assert bootstrap.ENV_CACHE_ENV == common_env.ENV_CACHE_ENV
     assert bootstrap.SHIPPED_ENV_ENV == common_env.SHIPPED_ENV_ENV
     assert bootstrap.SIGNING_KEY_ENV == common_env.SIGNING_KEY_ENV
+    assert bootstrap.NODE_CACHE_MAX_GB_ENV == common_env.NODE_CACHE_MAX_GB_ENV
+    assert bootstrap.INTERVALS_ENV == common_env.INTERVALS_ENV
+    assert bootstrap.DEFAULT_NODE_CACHE_MAX_GB == LaunchSettings().node_cache_max_gb
+    assert bootstrap.metadata_wait() == Intervals().metadata_wait_seconds
     assert bootstrap.FINAL_STATE_JSON == FINAL_STATE_JSON
     assert bootstrap.STATUS_PHASE_FAILED == records.STATUS_PHASE_FAILED
     assert bootstrap.PHASE in records.PHASES
