@@ -213,10 +213,10 @@ def download(uri: str, destination: Path) -> str:
     with open(destination, "wb") as out:
         while total is None or received < total:
             before = received
-            with _request(
-                url, headers={"Range": f"bytes={received}-"} if received else {}
-            ) as source:
-                if received and source.status != 206:  # the Range was ignored: start over
+            # Every attempt after the first asks for the rest, even from byte 0.
+            ranged = {"Range": f"bytes={received}-"} if total is not None else {}
+            with _request(url, headers=ranged) as source:
+                if ranged and source.status != 206:  # the Range was ignored: start over
                     out.seek(0)
                     out.truncate()
                     received = 0

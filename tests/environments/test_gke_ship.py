@@ -22,6 +22,7 @@ from kinetic_prefect.launch.environment import (
     plan_environment,
 )
 from tests.support.clusters import SHIPPED_REQUIREMENTS
+from tests.support.metadata_server import MetadataServer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -66,6 +67,24 @@ def test_a_sweep_importing_jax_and_a_shipped_package_completes_on_the_default_im
         container = job["spec"]["template"]["spec"]["containers"][0]
         assert container["image"].startswith("python:3.") and container["image"].endswith("-slim")
         assert container["command"][:2] == ["python", "-c"]
+
+
+def test_a_sweep_completes_when_the_metadata_server_is_slow_to_answer_new_pods(
+    gke: str, cluster: KubeCluster
+) -> None:
+    @flow(task_runner=_runner(gke))
+    def sweep() -> list[tuple[int, str, str]]:
+        return [f.result() for f in shipped_versions.map([1, 2])]
+
+    with MetadataServer("emulator-project", new_pod_seconds=2.0) as metadata:
+        cluster.kubelet.metadata = metadata
+        assert sweep() == [(1, "0.5.1", "jax.numpy"), (4, "0.5.1", "jax.numpy")]
+
+    pods = {pod for pod, _, _ in metadata.requests}
+    assert len(pods) == len(cluster.created_jobs()) == 2
+    for pod in pods:
+        statuses = metadata.token_requests(pod)
+        assert statuses[0] == "refused" and 200 in statuses, (pod, statuses)
 
 
 # The builder Job installs a whole environment in a bare interpreter: 4 to 5 minutes on 2
