@@ -8,11 +8,17 @@ cache is as this machine has it) against a warm one (the store has it); the
 pod's bootstrap on a fresh node (download, verify, unpack, with a bare Python)
 against `tar -xzf` of the same archive and against `import prefect` with this
 interpreter. The store is a local directory, so "download" is a local copy.
+
+It also starts pods on a node that has the environment with the bootstrap of
+the commit named by `KINETIC_BENCH_BEFORE` (default `main`) and with this tree's,
+alternating, and prints the two medians side by side: what holding the
+environment in use and touching its last use (the node cache's pruning) adds.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -57,6 +63,25 @@ def main() -> None:
     env = {"PATH": os.environ["PATH"], "KINETIC_ENV_CACHE": str(node), "HOME": str(scratch)}
     fresh, _ = timed(lambda: subprocess.run(command, env=env, check=True, capture_output=True))
     cached, _ = timed(lambda: subprocess.run(command, env=env, check=True, capture_output=True))
+    before_source = scratch / "bootstrap_before.py"
+    revision = os.environ.get("KINETIC_BENCH_BEFORE", "main")
+    before_source.write_bytes(
+        subprocess.run(
+            ["git", "-C", str(REPO), "show", f"{revision}:kinetic_prefect/pod/bootstrap.py"],
+            check=True,
+            capture_output=True,
+        ).stdout
+    )
+    before_command = [bare, str(before_source), *command[2:]]
+    starts: dict[str, list[float]] = {"before": [], "after": []}
+    for _ in range(7):
+        for name, run in (("before", before_command), ("after", command)):
+            seconds, _ = timed(
+                lambda run=run: subprocess.run(run, env=env, check=True, capture_output=True)
+            )
+            starts[name].append(seconds)
+    start_before = statistics.median(starts["before"])
+    start_after = statistics.median(starts["after"])
     (scratch / "tar").mkdir()
     tar = ["tar", "-xzf", shipped.archive_uri, "-C", str(scratch / "tar")]
     untar, _ = timed(lambda: subprocess.run(tar, check=True))
@@ -71,6 +96,8 @@ def main() -> None:
         ("ensure, warm (store has it)", build_warm, f"{build_warm / build_cold:.4f}x cold"),
         ("pod bootstrap, fresh node", fresh, f"{fresh / untar:.2f}x tar -x"),
         ("pod bootstrap, node has it", cached, f"{cached / importing:.2f}x import prefect"),
+        (f"node has it: bootstrap of {revision} (median)", start_before, "1.00x"),
+        ("node has it: this bootstrap (median)", start_after, f"{start_after / start_before:.2f}x"),
         ("baseline: tar -xzf of the archive", untar, "1.00x"),
         ("baseline: import prefect", importing, ""),
     ]
