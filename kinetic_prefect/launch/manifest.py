@@ -15,8 +15,8 @@ from typing import Any
 
 from kinetic_prefect.common.env import (
     ENV_CACHE_ENV,
-    NODE_CACHE_MAX_GB_ENV,
     JOB_ID_ENV,
+    NODE_CACHE_MAX_GB_ENV,
     OUTPUT_DIR_ENV,
     POD_ACCELERATOR_ENV,
 )

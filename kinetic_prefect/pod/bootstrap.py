@@ -49,6 +49,7 @@ import traceback
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 # Written as in `kinetic_prefect.common` (a unit test keeps them equal): this file
@@ -377,9 +378,11 @@ def ready_environment(archive_uri: str, sha256: str, key: str) -> Path:
     # Pods starting together on a node unpack once: the others wait for the first.
     with open(cache / f".{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (target / UNPACKED_MARKER).is_file():
-            _download_and_unpack(archive_uri, sha256, cache, target)
-            prune_cache(cache, node_cache_max_bytes(), keep=key)
+        if (target / UNPACKED_MARKER).is_file():
+            return target
+        _download_and_unpack(archive_uri, sha256, cache, target)
+    # Pruned once the lock is released: the pods waiting for this environment start now.
+    prune_cache(cache, node_cache_max_bytes(), keep=key)
     return target
 
 
@@ -415,11 +418,12 @@ def _download_and_unpack(archive_uri: str, sha256: str, cache: Path, target: Pat
 #
 # Each pod holds a shared flock on its environment's `.{key}.use` for its whole life and
 # touches that file when it starts: its mtime is the environment's last use. A pod that
-# unpacks a new environment then prunes (one pod at a time, `.prune.lock`): it takes an
-# environment only when it gets that lock exclusively without waiting, so no environment a
-# running pod uses goes away; a pod starting meanwhile waits for the removal to end and
-# unpacks it again. The lock files stay (a few bytes each): removing a lock file another
-# pod holds open would let two pods lock two different files.
+# unpacked a new environment then prunes (one pod at a time, `.prune.lock`): it removes an
+# environment only when it gets that lock exclusively without waiting, and holds it only
+# while the environment is renamed away, so no environment a running pod uses goes away and
+# a pod starting meanwhile waits no longer than a rename (then unpacks it again). The lock
+# files stay (a few bytes each): removing a lock file another pod holds open would let two
+# pods lock two different files.
 
 _HELD_IN_USE: list[object] = []  # open for the pod's life: closing one releases its lock
 
@@ -482,35 +486,52 @@ def _cached_size(cache: Path, key: str) -> int:
 
 def prune_cache(cache: Path, max_bytes: int, keep: str) -> list[str]:
     """Remove least recently used environments past `max_bytes`; the keys removed."""
+    removed: list[str] = []
     with open(cache / ".prune.lock", "w") as prune_lock:
         fcntl.flock(prune_lock, fcntl.LOCK_EX)
-        entries, held, busy = [], {}, {keep}
+        entries, busy = [], {keep}
+        # What an earlier pod moved out and did not live to delete.
+        doomed = [path for path in cache.glob(f".*{_REMOVED}*") if path.is_dir()]
         for path in cache.iterdir():
             if path.name.startswith(".") or not (path / UNPACKED_MARKER).is_file():
                 continue
-            use = open(cache / f".{path.name}.use", "a")  # noqa: SIM115 (closed below)
-            try:
-                fcntl.flock(use, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                held[path.name] = use
-            except BlockingIOError:
-                use.close()
-                busy.add(path.name)
-            entries.append((path.name, _cached_size(cache, path.name), os.stat(use.name).st_mtime))
-        try:
-            removed = prune_plan(entries, max_bytes, busy)
-            for key in removed:
-                (cache / key / UNPACKED_MARKER).unlink()  # never half an environment marked ready
-                shutil.rmtree(cache / key, ignore_errors=True)
-                (cache / f".{key}.size").unlink(missing_ok=True)
-        finally:
-            for use in held.values():
-                use.close()
+            use = cache / f".{path.name}.use"
+            with _unused(use) as unused:
+                if not unused:
+                    busy.add(path.name)
+            entries.append((path.name, _cached_size(cache, path.name), use.stat().st_mtime))
+        for key in prune_plan(entries, max_bytes, busy):
+            with _unused(cache / f".{key}.use") as unused:
+                if not unused:  # a pod started on it since
+                    continue
+                (cache / key / UNPACKED_MARKER).unlink()  # never half an environment ready
+                doomed.append(Path(tempfile.mkdtemp(prefix=f".{key[:12]}{_REMOVED}", dir=cache)))
+                os.rename(cache / key, doomed[-1] / key)
+            (cache / f".{key}.size").unlink(missing_ok=True)
+            removed.append(key)
+        for path in doomed:
+            shutil.rmtree(path, ignore_errors=True)
     if removed:
         sys.stderr.write(
             f"kinetic-prefect pod: node cache over {max_bytes / 1e9:g} GB: removed the least "
             f"recently used environment(s) {', '.join(k[:12] for k in removed)}\n"
         )
     return removed
+
+
+_REMOVED = "-removed-"
+
+
+@contextlib.contextmanager
+def _unused(use: Path) -> Iterator[bool]:
+    """Whether `use` is locked by no pod; while True, this process holds it exclusively."""
+    with open(use, "a") as held:
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
 
 
 def start_module(environment: Path, module: str, args: list[str]) -> None:
@@ -560,6 +581,10 @@ def record_failure(job_dir: str, message: str, error: BaseException) -> None:
 def run(options: argparse.Namespace) -> int:
     started = time.monotonic()
     try:
+        # Whether or not the environment is on the node, wait for the metadata server here:
+        # google-auth in the pod runtime gives up on it within seconds (docs/kubernetes.md
+        # "Workload Identity at pod start").
+        _token()
         environment = ready_environment(options.archive, options.sha256, options.key)
     except Exception as exc:
         message = f"Failed during {PHASE}: {exc}"

@@ -99,6 +99,20 @@ def test_the_token_comes_from_a_metadata_server_that_refuses_a_new_pod_at_first(
     assert statuses[0] == "refused" and statuses[-1] == 200
 
 
+def test_the_token_comes_from_a_metadata_server_that_answers_a_new_pod_503_at_first(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    with MetadataServer("test-project", new_pod_seconds=1.0, new_pod_status=503) as metadata:
+        for name, value in metadata.pod_env("pod-c").items():
+            monkeypatch.setenv(name, value)
+
+        token = bootstrap._token()
+
+    statuses = metadata.token_requests("pod-c")
+    assert token == "metadata-token"
+    assert statuses[0] == 503 and statuses[-1] == 200
+
+
 def test_a_metadata_server_that_never_answers_fails_after_the_metadata_wait(
     monkeypatch: pytest.MonkeyPatch,
 ):

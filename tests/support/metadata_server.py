@@ -14,8 +14,9 @@ Each pod the kubelet starts gets an address of its own (`pod_env`), as GKE's met
 server tells pods apart by their IP. GKE documents that its metadata server needs a
 few seconds before it accepts requests from a newly created pod
 (https://cloud.google.com/kubernetes-engine/docs/how-to/workload-identity#limitations):
-with `new_pod_seconds`, a pod's connections in its first seconds are closed unanswered.
-`requests` logs every request as (pod, path, status), "refused" for those.
+with `new_pod_seconds`, a pod's connections in its first seconds are closed unanswered,
+or answered `new_pod_status` (a 503, say) when it is given. `requests` logs every
+request as (pod, path, status), "refused" for a connection closed unanswered.
 """
 
 from __future__ import annotations
@@ -64,10 +65,18 @@ def respond(
 
 
 class MetadataServer:
-    def __init__(self, project: str, email: str = "default", new_pod_seconds: float = 0.0) -> None:
+    def __init__(
+        self,
+        project: str,
+        email: str = "default",
+        new_pod_seconds: float = 0.0,
+        new_pod_status: int | None = None,
+    ) -> None:
         self.project = project
         self.email = email
         self.new_pod_seconds = new_pod_seconds
+        # What a new pod gets in its first seconds: None, its connection closed unanswered.
+        self.new_pod_status = new_pod_status
         # (pod, path, status or "refused"); pod "" for the address of `env()`.
         self.requests: list[tuple[str, str, int | str]] = []
         self._server: http.server.ThreadingHTTPServer | None = None
@@ -98,17 +107,20 @@ class MetadataServer:
 
     def _handler(self, pod: str) -> type[http.server.BaseHTTPRequestHandler]:
         outer = self
-        ready_at = time.monotonic() + (self.new_pod_seconds if pod else 0.0)
+        # Counted from the pod's first request, not from its creation: however long its
+        # container takes to start, the pod meets the refusal.
+        ready_at: list[float] = []
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def log_message(self, *args: Any) -> None:
                 pass
 
             def do_GET(self) -> None:
-                if time.monotonic() < ready_at:
-                    outer._log(pod, self.path, "refused")
-                    self.close_connection = True
-                    self.connection.shutdown(socket.SHUT_RDWR)
+                with outer._lock:
+                    if not ready_at:
+                        ready_at.append(time.monotonic() + (outer.new_pod_seconds if pod else 0))
+                if time.monotonic() < ready_at[0]:
+                    self._refuse()
                     return
                 found = outer.answer(self.path)
                 if self.headers.get(_FLAVOR) != "Google" or found is None:
@@ -118,6 +130,17 @@ class MetadataServer:
                     return
                 outer._log(pod, self.path, found[0])
                 respond(self, *found, headers={_FLAVOR: "Google"})
+
+            def _refuse(self) -> None:
+                status = outer.new_pod_status
+                outer._log(pod, self.path, status or "refused")
+                self.close_connection = True
+                if status is None:
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                self.send_response(status)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
 
         return Handler
 

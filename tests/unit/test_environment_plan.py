@@ -8,11 +8,11 @@ import pytest
 
 from kinetic_prefect.common import env as common_env
 from kinetic_prefect.common import records
+from kinetic_prefect.common.intervals import Intervals
 from kinetic_prefect.common.layout import FINAL_STATE_JSON
 from kinetic_prefect.errors import ConfigurationError
 from kinetic_prefect.launch import environment
 from kinetic_prefect.launch.accelerators import parse_accelerator
-from kinetic_prefect.common.intervals import Intervals
 from kinetic_prefect.launch.settings import LaunchSettings, resolve_settings
 from kinetic_prefect.pod import bootstrap, runner
 
@@ -26,7 +26,7 @@ def test_the_bootstrap_speaks_the_contract_the_package_writes() -> None:
     assert bootstrap.SIGNING_KEY_ENV == common_env.SIGNING_KEY_ENV
     assert bootstrap.NODE_CACHE_MAX_GB_ENV == common_env.NODE_CACHE_MAX_GB_ENV
     assert bootstrap.INTERVALS_ENV == common_env.INTERVALS_ENV
-    assert bootstrap.DEFAULT_NODE_CACHE_MAX_GB == LaunchSettings().node_cache_max_gb
+    assert LaunchSettings().node_cache_max_gb == bootstrap.DEFAULT_NODE_CACHE_MAX_GB
     assert bootstrap.metadata_wait() == Intervals().metadata_wait_seconds
     assert bootstrap.FINAL_STATE_JSON == FINAL_STATE_JSON
     assert bootstrap.STATUS_PHASE_FAILED == records.STATUS_PHASE_FAILED
