@@ -92,7 +92,7 @@ class Intervals:
 
     # How long a pod keeps asking the metadata server for its token: under Workload Identity
     # GKE's metadata server does not answer a new pod for its first seconds
-    # (https://cloud.google.com/kubernetes-engine/docs/how-to/workload-identity#limitations).
+    # (https://cloud.google.com/kubernetes-engine/docs/concepts/workload-identity#limitations).
     metadata_wait_seconds: float = 60.0
 
     # -- local backend ------------------------------------------------------------------

@@ -13,7 +13,7 @@ so these only let ADC-using code start.
 Each pod the kubelet starts gets an address of its own (`pod_env`), as GKE's metadata
 server tells pods apart by their IP. GKE documents that its metadata server needs a
 few seconds before it accepts requests from a newly created pod
-(https://cloud.google.com/kubernetes-engine/docs/how-to/workload-identity#limitations):
+(https://cloud.google.com/kubernetes-engine/docs/concepts/workload-identity#limitations):
 with `new_pod_seconds`, a pod's connections in its first seconds are closed unanswered,
 or answered `new_pod_status` (a 503, say) when it is given. `requests` logs every
 request as (pod, path, status), "refused" for a connection closed unanswered.
