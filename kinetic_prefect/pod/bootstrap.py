@@ -509,8 +509,7 @@ def prune_cache(cache: Path, max_bytes: int, keep: str) -> list[str]:
                 os.rename(cache / key, doomed[-1] / key)
             (cache / f".{key}.size").unlink(missing_ok=True)
             removed.append(key)
-        for path in doomed:
-            shutil.rmtree(path, ignore_errors=True)
+    _delete_behind(doomed)
     if removed:
         sys.stderr.write(
             f"kinetic-prefect pod: node cache over {max_bytes / 1e9:g} GB: removed the least "
@@ -520,6 +519,21 @@ def prune_cache(cache: Path, max_bytes: int, keep: str) -> list[str]:
 
 
 _REMOVED = "-removed-"
+
+
+def _delete_behind(directories: list[Path]) -> None:
+    """Delete `directories` in a child process, so that the task starts meanwhile.
+
+    Out of the cache already (renamed): a pod that ends first leaves them to the next
+    pod that prunes.
+    """
+    if directories:
+        subprocess.Popen(  # noqa: S603 (this interpreter, fixed code, our own paths)
+            [sys.executable, "-c", "import shutil, sys\n"
+             "for path in sys.argv[1:]: shutil.rmtree(path, ignore_errors=True)",
+             *map(str, directories)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
 
 
 @contextlib.contextmanager

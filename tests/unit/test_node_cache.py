@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -50,3 +51,21 @@ def test_pruning_never_removes_an_environment_a_running_pod_holds(tmp_path: Path
         "held",
         "new",
     ]
+
+
+def test_a_removed_environment_leaves_the_cache_at_once_and_its_files_are_deleted_behind(
+    tmp_path: Path,
+):
+    for key in ("idle", "new"):
+        _environment(tmp_path, key, 1000)
+    leftover = tmp_path / f".0123456789ab{bootstrap._REMOVED}x" / "old"
+    leftover.mkdir(parents=True)  # what a pod that pruned before left half deleted
+
+    removed = bootstrap.prune_cache(tmp_path, 1500, keep="new")
+
+    assert removed == ["idle"]
+    assert not (tmp_path / "idle").exists()
+    deadline = time.monotonic() + 60
+    while list(tmp_path.glob(f".*{bootstrap._REMOVED}*")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert list(tmp_path.glob(f".*{bootstrap._REMOVED}*")) == []
