@@ -595,10 +595,11 @@ def record_failure(job_dir: str, message: str, error: BaseException) -> None:
 def run(options: argparse.Namespace) -> int:
     started = time.monotonic()
     try:
-        # Whether or not the environment is on the node, wait for the metadata server here:
-        # google-auth in the pod runtime gives up on it within seconds (docs/kubernetes.md
-        # "Workload Identity at pod start").
-        _token()
+        # On a cluster (the environment in GCS), whether or not the environment is on the
+        # node, wait for the metadata server here: google-auth in the pod runtime gives up
+        # on it within seconds (docs/kubernetes.md "Workload Identity at pod start").
+        if options.archive.startswith("gs://"):
+            _token()
         environment = ready_environment(options.archive, options.sha256, options.key)
     except Exception as exc:
         message = f"Failed during {PHASE}: {exc}"
