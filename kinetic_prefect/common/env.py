@@ -43,6 +43,8 @@ MOUNT_ROOT_ENV = "KINETIC_DATA_MOUNT_ROOT"
 # -- shipped environments ------------------------------------------------------------
 # Where a pod unpacks its shipped environment: a node-wide cache when the node has one.
 ENV_CACHE_ENV = "KINETIC_ENV_CACHE"
+# What names a pod's metadata server, as google-auth reads it (newest name first).
+METADATA_HOST_ENVS = ("GCE_METADATA_HOST", "GCE_METADATA_ROOT")
 # The node cache's size cap in GB, for the bootstrap's pruning (`node_cache_max_gb`).
 NODE_CACHE_MAX_GB_ENV = "KINETIC_NODE_CACHE_MAX_GB"
 # Set by the bootstrap in a pod that runs on a shipped environment: its key, archive,

@@ -26,6 +26,7 @@ def test_the_bootstrap_speaks_the_contract_the_package_writes() -> None:
     assert bootstrap.SIGNING_KEY_ENV == common_env.SIGNING_KEY_ENV
     assert bootstrap.NODE_CACHE_MAX_GB_ENV == common_env.NODE_CACHE_MAX_GB_ENV
     assert bootstrap.INTERVALS_ENV == common_env.INTERVALS_ENV
+    assert bootstrap.METADATA_HOST_ENVS == common_env.METADATA_HOST_ENVS
     assert LaunchSettings().node_cache_max_gb == bootstrap.DEFAULT_NODE_CACHE_MAX_GB
     assert bootstrap.metadata_wait() == Intervals().metadata_wait_seconds
     assert bootstrap.FINAL_STATE_JSON == FINAL_STATE_JSON

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kinetic_prefect.common.env import ENV_CACHE_ENV, SHIPPED_ENV_ENV
+from kinetic_prefect.common.env import ENV_CACHE_ENV, METADATA_HOST_ENVS, SHIPPED_ENV_ENV
 from kinetic_prefect.launch.environment import UNPACKED_MARKER, cache_dir
 from kinetic_prefect.launch.manifest import container_of
 
@@ -58,7 +58,9 @@ def started_from_node_copy(
     On a node cache hit the bootstrap only puts the unpacked environment first on
     the path and runs its module; this is that command (`python -m MODULE ARGS`)
     and environment, so the local backend can fork the pod from a template
-    preloaded from the node's copy. None when the node must download it first.
+    preloaded from the node's copy. None when the node must download it first, or
+    when the bootstrap first waits for the metadata server (an environment in GCS
+    and a metadata server named, as on the emulated cluster).
     """
     if command[1:2] != ["-c"] or command[3:4] != ["run"] or "--" not in command:
         return None
@@ -69,6 +71,10 @@ def started_from_node_copy(
         return None
     directory = Path(cache) / options["--key"]
     if not (directory / UNPACKED_MARKER).is_file():
+        return None
+    if options.get("--archive", "").startswith("gs://") and any(
+        env.get(name) for name in METADATA_HOST_ENVS
+    ):
         return None
     shipped = {
         "key": options["--key"],
