@@ -69,3 +69,26 @@ def test_a_removed_environment_leaves_the_cache_at_once_and_its_files_are_delete
     while list(tmp_path.glob(f".*{bootstrap._REMOVED}*")) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert list(tmp_path.glob(f".*{bootstrap._REMOVED}*")) == []
+
+
+@pytest.mark.parametrize(
+    ("archive", "metadata_host", "forked"),
+    [
+        ("gs://envs/k.tar.gz", "", True),
+        ("gs://envs/k.tar.gz", "127.0.0.1:8080", False),  # the bootstrap waits for it first
+        ("/store/k.tar.gz", "127.0.0.1:8080", True),
+    ],
+)
+def test_a_node_copy_starts_without_the_bootstrap_unless_it_first_waits_for_the_metadata_server(
+    tmp_path: Path, archive: str, metadata_host: str, forked: bool
+):
+    from kinetic_prefect.backends.local.interpreter import started_from_node_copy
+
+    _environment(tmp_path, "k", 10)
+    command = ["python", "-c", "SOURCE", "run", "--archive", archive, "--sha256", "s"]
+    command += ["--key", "k", "--module", "kinetic_prefect.pod", "--", "job"]
+    env = {bootstrap.ENV_CACHE_ENV: str(tmp_path), "GCE_METADATA_HOST": metadata_host}
+
+    started = started_from_node_copy(command, env)
+
+    assert (started is not None) == forked
