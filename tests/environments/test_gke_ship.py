@@ -70,6 +70,7 @@ def test_a_sweep_importing_jax_and_a_shipped_package_completes_on_the_default_im
 
 # The builder Job installs a whole environment in a bare interpreter: 4 to 5 minutes on 2
 # cores with the rest of the suite running (the suite's 900 s backstop applies).
+@pytest.mark.slow
 def test_a_new_environment_is_built_by_a_builder_job_with_the_key_the_local_builder_gives(
     gke: str, cluster: KubeCluster, gcs: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
