@@ -311,11 +311,86 @@ def _download_and_unpack(archive_uri: str, sha256: str, cache: Path, target: Pat
         unpacked = scratch / "env"
         unpack(archive, unpacked)
         archive.unlink()
-        (unpacked / UNPACKED_MARKER).write_text(sha256)
+        (unpacked / UNPACKED_MARKER).write_text(json.dumps(_signed_marker(sha256, unpacked)))
         shutil.rmtree(target, ignore_errors=True)  # a partial copy of an interrupted pod
         os.rename(unpacked, target)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def tree_digest(directory: Path) -> str:
+    """A sha256 of every path and file content under `directory`, but the unpacked marker."""
+    digest = hashlib.sha256()
+    for root, dirs, names in os.walk(directory):
+        dirs.sort()
+        for name in sorted(names + [d for d in dirs if Path(root, d).is_symlink()]):
+            path = Path(root, name)
+            relative = path.relative_to(directory).as_posix()
+            if relative == UNPACKED_MARKER:
+                continue
+            digest.update(relative.encode() + b"\0")
+            if path.is_symlink():
+                digest.update(b"link:" + os.readlink(path).encode())
+            else:
+                with open(path, "rb") as content:
+                    while chunk := content.read(_CHUNK):
+                        digest.update(chunk)
+            digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def _marker_signature(sha256: str, tree: str) -> str | None:
+    key = os.environ.get(SIGNING_KEY_ENV)
+    if not key:
+        return None
+    return hmac.new(key.encode(), f"{sha256}:{tree}".encode(), hashlib.sha256).hexdigest()
+
+
+def _signed_marker(sha256: str, directory: Path) -> dict[str, object]:
+    """What an unpacked environment's marker says: the archive, its files, and a signature."""
+    tree = tree_digest(directory)
+    return {"sha256": sha256, "tree": tree, "signature": _marker_signature(sha256, tree)}
+
+
+def cached_copy_problem(target: Path, sha256: str) -> str | None:
+    """Why the node's copy at `target` is not the archive `sha256` unpacked; None if it is.
+
+    The marker names the archive and the digest of the files unpacked from it, signed with
+    the record key the runner gives its pods; the files are hashed again against it.
+    """
+    try:
+        marker = json.loads((target / UNPACKED_MARKER).read_text())
+    except FileNotFoundError:
+        return "not unpacked on this node"
+    except (OSError, ValueError) as exc:
+        return f"its marker is unreadable ({exc})"
+    if not isinstance(marker, dict) or marker.get("sha256") != sha256:
+        return "its marker names another archive"
+    tree = str(marker.get("tree"))
+    expected = _marker_signature(sha256, tree)
+    if expected is not None and not hmac.compare_digest(expected, str(marker.get("signature"))):
+        return "its marker is not signed with this runner's record key"
+    if tree_digest(target) != tree:
+        return "its files differ from the ones unpacked from the archive"
+    return None
+
+
+def verified_environment(archive_uri: str, sha256: str, key: str) -> Path:
+    """The environment in the node cache, unpacked again unless the copy there verifies."""
+    cache = Path(os.environ.get(ENV_CACHE_ENV) or DEFAULT_CACHE)
+    target = cache / key
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / f".{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        problem = cached_copy_problem(target, sha256)
+        if problem is not None:
+            if (target / UNPACKED_MARKER).exists():
+                sys.stderr.write(
+                    f"kinetic-prefect pod: the node's copy of environment {key[:12]} is "
+                    f"refused ({problem}); unpacking it again\n"
+                )
+            _download_and_unpack(archive_uri, sha256, cache, target)
+    return target
 
 
 def start_module(environment: Path, module: str, args: list[str]) -> None:
@@ -362,21 +437,38 @@ def record_failure(job_dir: str, message: str, error: BaseException) -> None:
     upload(json.dumps(record, indent=1).encode(), f"{job_dir.rstrip('/')}/{FINAL_STATE_JSON}")
 
 
+def _fail(options: argparse.Namespace, exc: BaseException) -> int:
+    """Report the environment phase's failure, in the log and in the job directory."""
+    message = f"Failed during {PHASE}: {exc}"
+    sys.stderr.write(f"kinetic-prefect pod: {message}\n")
+    if options.job_dir:
+        try:
+            record_failure(options.job_dir, message, exc)
+        except Exception as write_error:  # the log is all that is left
+            sys.stderr.write(f"kinetic-prefect pod: could not write the record: {write_error}\n")
+    return EXIT_PHASE_FAILED
+
+
+def unpack_for_pod(options: argparse.Namespace) -> int:
+    """The `unpack` command of a pod's init container: ready and verify, then exit."""
+    started = time.monotonic()
+    try:
+        verified_environment(options.archive, options.sha256, options.key)
+    except Exception as exc:
+        return _fail(options, exc)
+    sys.stderr.write(
+        f"kinetic-prefect pod: environment {options.key[:12]} verified in "
+        f"{time.monotonic() - started:.2f}s\n"
+    )
+    return 0
+
+
 def run(options: argparse.Namespace) -> int:
     started = time.monotonic()
     try:
         environment = ready_environment(options.archive, options.sha256, options.key)
     except Exception as exc:
-        message = f"Failed during {PHASE}: {exc}"
-        sys.stderr.write(f"kinetic-prefect pod: {message}\n")
-        if options.job_dir:
-            try:
-                record_failure(options.job_dir, message, exc)
-            except Exception as write_error:  # the log is all that is left
-                sys.stderr.write(
-                    f"kinetic-prefect pod: could not write the record: {write_error}\n"
-                )
-        return EXIT_PHASE_FAILED
+        return _fail(options, exc)
     sys.stderr.write(
         f"kinetic-prefect pod: environment {options.key[:12]} ready in "
         f"{time.monotonic() - started:.2f}s\n"
@@ -547,6 +639,11 @@ def main(argv: list[str] | None = None) -> int:
     run_parser.add_argument("--job-dir", default="")
     run_parser.add_argument("--module", required=True)
     run_parser.add_argument("args", nargs=argparse.REMAINDER)
+    unpack_parser = commands.add_parser("unpack")
+    unpack_parser.add_argument("--archive", required=True)
+    unpack_parser.add_argument("--sha256", required=True)
+    unpack_parser.add_argument("--key", required=True)
+    unpack_parser.add_argument("--job-dir", default="")
     build_parser = commands.add_parser("build")
     build_parser.add_argument("--spec", required=True)
     build_parser.add_argument("--upload", default="")
@@ -559,6 +656,8 @@ def main(argv: list[str] | None = None) -> int:
         answer = test_iam(json.loads(options.wanted))
         print(IAM_ANSWER_PREFIX + json.dumps(answer, sort_keys=True), flush=True)
         return 0
+    if options.command == "unpack":
+        return unpack_for_pod(options)
     if options.command == "run":
         if options.args[:1] == ["--"]:
             options.args = options.args[1:]

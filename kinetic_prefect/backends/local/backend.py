@@ -36,7 +36,9 @@ from kinetic_prefect.backends.local.container import (
     PodProcess,
     container_command,
     container_env,
+    env_cache_directory,
     materialise_fuse_volumes,
+    run_init_containers,
     start_process,
 )
 from kinetic_prefect.backends.local.interpreter import default_interpreter
@@ -51,7 +53,6 @@ from kinetic_prefect.backends.local.pods import (
 from kinetic_prefect.common.env import ENV_CACHE_ENV, MOUNT_ROOT_ENV, SCRATCH_DIR_ENV
 from kinetic_prefect.launch.environment import cache_dir
 from kinetic_prefect.launch.manifest import (
-    ENV_CACHE_HOST_PATH,
     LABEL_FLOW_RUN_ID,
     LABEL_TASK_IDENTITY,
     LABEL_WARM,
@@ -432,12 +433,17 @@ class LocalBackend:
         if mounts:
             env[MOUNT_ROOT_ENV] = str(mounts)
         if ENV_CACHE_ENV in env:
-            # The node's environment cache (a hostPath volume on GKE).
-            env[ENV_CACHE_ENV] = str(self.node_root / ENV_CACHE_HOST_PATH.lstrip("/"))
+            # The environment cache volume: the node's (a hostPath on GKE) or the pod's own.
+            env[ENV_CACHE_ENV] = str(env_cache_directory(pod.manifest, self.node_root, scratch))
             for name in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP"):
                 env.pop(name, None)  # a stock image has none of this machine's Python
         log_path = self._log_path(pod.job_id, index)
-        command = container_command(pod.manifest, self.interpreter(pod.manifest))
+        interpreter = self.interpreter(pod.manifest)
+        command = container_command(pod.manifest, interpreter)
+        failed = run_init_containers(pod.manifest, interpreter, env, scratch, log_path)
+        if failed:
+            # The pod ends as its failed init container did; the task container never starts.
+            command = [interpreter, "-c", f"raise SystemExit({failed})"]
         process, pidfd = start_process(command, env, scratch, log_path)
         return HostProcess(index, process, pidfd, log_path)
 
