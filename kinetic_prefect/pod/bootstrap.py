@@ -15,6 +15,12 @@ is used as it is. A failure is the pod's "environment" phase failure: it
 leaves a signed `final-state.json` in the job directory, as the pod runtime's
 own phases do, and exits with the phase-failure code.
 
+`unpack` is the pod's init container: it readies the environment in the cache
+as `run` does, but trusts a copy already there only once its files hash again to
+the digest in its marker and the marker's signature (the record key) holds;
+otherwise it unpacks the archive again. The task container then mounts the cache
+read-only and `run` finds the environment ready. See docs/environments.md.
+
 `build` turns a build spec (the resolved pins, the platform and Python, the
 local wheels) into the environment's archive: it installs the pins with uv
 for the pod's platform into a directory and packs it, then writes the
