@@ -16,9 +16,9 @@ leaves a signed `final-state.json` in the job directory, as the pod runtime's
 own phases do, and exits with the phase-failure code.
 
 `unpack` is the pod's init container: it readies the environment in the cache
-as `run` does, but trusts a copy already there only once its files hash again to
-the digest in its marker and the marker's signature (the record key) holds;
-otherwise it unpacks the archive again. The task container then mounts the cache
+as `run` does, but trusts a copy already there only once every file's size,
+mtime and ctime match the table in its marker and the marker's signature (the
+record key) holds; otherwise it unpacks the archive again. The task container then mounts the cache
 read-only and `run` finds the environment ready. See docs/environments.md.
 
 `build` turns a build spec (the resolved pins, the platform and Python, the
@@ -324,45 +324,54 @@ def _download_and_unpack(archive_uri: str, sha256: str, cache: Path, target: Pat
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def tree_digest(directory: Path) -> str:
-    """A sha256 of every path and file content under `directory`, but the unpacked marker."""
-    digest = hashlib.sha256()
-    for root, dirs, names in os.walk(directory):
-        dirs.sort()
-        for name in sorted(names + [d for d in dirs if Path(root, d).is_symlink()]):
-            path = Path(root, name)
-            relative = path.relative_to(directory).as_posix()
-            if relative == UNPACKED_MARKER:
-                continue
-            digest.update(relative.encode() + b"\0")
-            if path.is_symlink():
-                digest.update(b"link:" + os.readlink(path).encode())
-            else:
-                with open(path, "rb") as content:
-                    while chunk := content.read(_CHUNK):
-                        digest.update(chunk)
-            digest.update(b"\0")
-    return digest.hexdigest()
+def stat_table(directory: Path) -> dict[str, list[int]]:
+    """Every entry under `directory` (but the unpacked marker): its size, mtime and ctime.
+
+    Entries are `lstat`ed, never followed. Nobody can set a ctime: any write, chmod,
+    rename or `os.utime` sets it to now, so a file changed after the table was taken
+    no longer matches it, even with its size and mtime put back.
+    """
+    table: dict[str, list[int]] = {}
+    pending = [("", str(directory))]
+    while pending:
+        prefix, path = pending.pop()
+        with os.scandir(path) as entries:
+            for entry in entries:
+                relative = prefix + entry.name
+                if relative == UNPACKED_MARKER:
+                    continue
+                info = entry.stat(follow_symlinks=False)
+                table[relative] = [info.st_size, info.st_mtime_ns, info.st_ctime_ns]
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append((relative + "/", entry.path))
+    return table
 
 
-def _marker_signature(sha256: str, tree: str) -> str | None:
+def _marker_signature(sha256: str, files: dict[str, list[int]]) -> str | None:
     key = os.environ.get(SIGNING_KEY_ENV)
     if not key:
         return None
-    return hmac.new(key.encode(), f"{sha256}:{tree}".encode(), hashlib.sha256).hexdigest()
+    signed = sha256.encode() + b":" + json.dumps(files, sort_keys=True).encode()
+    return hmac.new(key.encode(), signed, hashlib.sha256).hexdigest()
 
 
 def _signed_marker(sha256: str, directory: Path) -> dict[str, object]:
-    """What an unpacked environment's marker says: the archive, its files, and a signature."""
-    tree = tree_digest(directory)
-    return {"sha256": sha256, "tree": tree, "signature": _marker_signature(sha256, tree)}
+    """What an unpacked environment's marker says: the archive, every entry's stat, a signature.
+
+    Taken once every file is written and its times set, before the rename into the cache
+    (which changes the ctime of the renamed directory only, not of anything inside it).
+    """
+    files = stat_table(directory)
+    return {"sha256": sha256, "files": files, "signature": _marker_signature(sha256, files)}
 
 
 def cached_copy_problem(target: Path, sha256: str) -> str | None:
     """Why the node's copy at `target` is not the archive `sha256` unpacked; None if it is.
 
-    The marker names the archive and the digest of the files unpacked from it, signed with
-    the record key the runner gives its pods; the files are hashed again against it.
+    The marker names the archive and the stat of every entry unpacked from it, signed with
+    the record key the runner gives its pods. Every entry is `lstat`ed again and compared:
+    no file is read, so reuse costs one `lstat` per file (docs/environments.md says what
+    this cannot see).
     """
     try:
         marker = json.loads((target / UNPACKED_MARKER).read_text())
@@ -372,12 +381,22 @@ def cached_copy_problem(target: Path, sha256: str) -> str | None:
         return f"its marker is unreadable ({exc})"
     if not isinstance(marker, dict) or marker.get("sha256") != sha256:
         return "its marker names another archive"
-    tree = str(marker.get("tree"))
-    expected = _marker_signature(sha256, tree)
+    files = marker.get("files")
+    if not isinstance(files, dict):
+        return "its marker has no table of the unpacked files"
+    expected = _marker_signature(sha256, files)
     if expected is not None and not hmac.compare_digest(expected, str(marker.get("signature"))):
         return "its marker is not signed with this runner's record key"
-    if tree_digest(target) != tree:
-        return "its files differ from the ones unpacked from the archive"
+    found = stat_table(target)
+    added = sorted(found.keys() - files.keys())
+    if added:
+        return f"{len(added)} entries were added since it was unpacked (first: {added[0]})"
+    removed = sorted(files.keys() - found.keys())
+    if removed:
+        return f"{len(removed)} entries were removed since it was unpacked (first: {removed[0]})"
+    changed = sorted(name for name, stat in found.items() if stat != files[name])
+    if changed:
+        return f"{len(changed)} entries changed since it was unpacked (first: {changed[0]})"
     return None
 
 

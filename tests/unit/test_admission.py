@@ -4,6 +4,8 @@ verdict on a dry-run's answer, and the manifest each profile admits."""
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -152,21 +154,95 @@ def signing_key(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(bootstrap.SIGNING_KEY_ENV, "record-key")
 
 
+def _marker(target: Path) -> dict:
+    return json.loads((target / bootstrap.UNPACKED_MARKER).read_text())
+
+
+def _past_the_recorded_ctimes(target: Path) -> None:
+    """Wait until a write on the cache's file system gets a ctime after every recorded one.
+
+    The kernel stamps ctimes from a clock that ticks in steps of a few milliseconds: a
+    change within the unpack's own tick would carry the same ctime as the table.
+    """
+    latest = max(stat[2] for stat in _marker(target)["files"].values())
+    probe = target.parent / "ctime-probe"
+    deadline = time.monotonic() + 10
+    probe.touch()
+    while probe.stat().st_ctime_ns <= latest:
+        assert time.monotonic() < deadline, "the file system's ctime clock did not advance"
+        probe.touch()
+
+
+def _tamper_keeping_size_and_mtime(path: Path, content: str) -> None:
+    before = path.stat()
+    path.write_text(content)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+
 @pytest.mark.usefixtures("signing_key")
-def test_a_tampered_file_in_the_node_cache_is_caught_and_unpacked_again(
+def test_a_file_rewritten_with_its_size_and_mtime_restored_is_caught_by_its_ctime(
     archive: tuple[Path, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path, sha256 = archive
     monkeypatch.setenv(bootstrap.ENV_CACHE_ENV, str(tmp_path / "node"))
     target = bootstrap.verified_environment(str(path), sha256, "key")
     planted = target / "pkg" / "__init__.py"
-    planted.write_text("VALUE = 'planted'\n")
+    _past_the_recorded_ctimes(target)
+    _tamper_keeping_size_and_mtime(planted, "VALUE = 'plant'\n")
+
+    assert len(planted.read_text()) == len("VALUE = 'built'\n")
+    assert bootstrap.cached_copy_problem(target, sha256) == (
+        "1 entries changed since it was unpacked (first: pkg/__init__.py)"
+    )
+
+
+@pytest.mark.usefixtures("signing_key")
+def test_a_refused_copy_is_logged_and_unpacked_again(
+    archive: tuple[Path, str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    path, sha256 = archive
+    monkeypatch.setenv(bootstrap.ENV_CACHE_ENV, str(tmp_path / "node"))
+    target = bootstrap.verified_environment(str(path), sha256, "key")
+    planted = target / "pkg" / "__init__.py"
+    _past_the_recorded_ctimes(target)
+    _tamper_keeping_size_and_mtime(planted, "VALUE = 'plant'\n")
+
+    bootstrap.verified_environment(str(path), sha256, "key")
+
+    assert planted.read_text() == "VALUE = 'built'\n"
+    assert bootstrap.cached_copy_problem(target, sha256) is None
+    assert "is refused (1 entries changed since it was unpacked" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("signing_key")
+def test_a_file_added_to_the_node_copy_is_caught(
+    archive: tuple[Path, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, sha256 = archive
+    monkeypatch.setenv(bootstrap.ENV_CACHE_ENV, str(tmp_path / "node"))
+    target = bootstrap.verified_environment(str(path), sha256, "key")
+    (target / "pkg" / "sitecustomize.py").write_text("import os\n")
 
     assert bootstrap.cached_copy_problem(target, sha256) == (
-        "its files differ from the ones unpacked from the archive"
+        "1 entries were added since it was unpacked (first: pkg/sitecustomize.py)"
     )
-    bootstrap.verified_environment(str(path), sha256, "key")
-    assert planted.read_text() == "VALUE = 'built'\n"
+
+
+@pytest.mark.usefixtures("signing_key")
+def test_a_file_removed_from_the_node_copy_is_caught(
+    archive: tuple[Path, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, sha256 = archive
+    monkeypatch.setenv(bootstrap.ENV_CACHE_ENV, str(tmp_path / "node"))
+    target = bootstrap.verified_environment(str(path), sha256, "key")
+    (target / "pkg" / "__init__.py").unlink()
+
+    assert bootstrap.cached_copy_problem(target, sha256) == (
+        "1 entries were removed since it was unpacked (first: pkg/__init__.py)"
+    )
 
 
 @pytest.mark.usefixtures("signing_key")
@@ -177,8 +253,10 @@ def test_a_marker_rewritten_without_the_record_key_is_refused(
     monkeypatch.setenv(bootstrap.ENV_CACHE_ENV, str(tmp_path / "node"))
     target = bootstrap.verified_environment(str(path), sha256, "key")
     (target / "pkg" / "__init__.py").write_text("VALUE = 'planted'\n")
-    forged = {"sha256": sha256, "tree": bootstrap.tree_digest(target), "signature": "0" * 64}
+    monkeypatch.setenv(bootstrap.SIGNING_KEY_ENV, "a key of the planter's own")
+    forged = bootstrap._signed_marker(sha256, target)
     (target / bootstrap.UNPACKED_MARKER).write_text(json.dumps(forged))
+    monkeypatch.setenv(bootstrap.SIGNING_KEY_ENV, "record-key")
 
     assert bootstrap.cached_copy_problem(target, sha256) == (
         "its marker is not signed with this runner's record key"
