@@ -86,6 +86,11 @@ def env_cache_directory(manifest: Mapping[str, Any], node_root: Path, scratch: P
     return scratch / "volumes" / ENV_CACHE_VOLUME
 
 
+def has_init_containers(manifest: Mapping[str, Any]) -> bool:
+    """Whether the pod has init containers to run before its task container."""
+    return bool(manifest["spec"]["template"]["spec"].get("initContainers"))
+
+
 def run_init_containers(
     manifest: Mapping[str, Any], interpreter: str, env: Mapping[str, str], cwd: Path, log: Path
 ) -> int:
