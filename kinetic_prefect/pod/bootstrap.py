@@ -390,13 +390,13 @@ def cached_copy_problem(target: Path, sha256: str) -> str | None:
     found = stat_table(target)
     added = sorted(found.keys() - files.keys())
     if added:
-        return f"{len(added)} entries were added since it was unpacked (first: {added[0]})"
+        return f"entries added since it was unpacked: {len(added)} (first {added[0]})"
     removed = sorted(files.keys() - found.keys())
     if removed:
-        return f"{len(removed)} entries were removed since it was unpacked (first: {removed[0]})"
+        return f"entries removed since it was unpacked: {len(removed)} (first {removed[0]})"
     changed = sorted(name for name, stat in found.items() if stat != files[name])
     if changed:
-        return f"{len(changed)} entries changed since it was unpacked (first: {changed[0]})"
+        return f"entries changed since it was unpacked: {len(changed)} (first {changed[0]})"
     return None
 
 

@@ -154,6 +154,16 @@ def signing_key(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(bootstrap.SIGNING_KEY_ENV, "record-key")
 
 
+@pytest.fixture
+def node_copy(
+    archive: tuple[Path, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, signing_key: None
+) -> Path:
+    """The archive unpacked, signed and verified in a node cache, as an init container leaves it."""
+    path, sha256 = archive
+    monkeypatch.setenv(bootstrap.ENV_CACHE_ENV, str(tmp_path / "node"))
+    return bootstrap.verified_environment(str(path), sha256, "key")
+
+
 def _marker(target: Path) -> dict:
     return json.loads((target / bootstrap.UNPACKED_MARKER).read_text())
 
@@ -179,86 +189,66 @@ def _tamper_keeping_size_and_mtime(path: Path, content: str) -> None:
     os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
 
 
-@pytest.mark.usefixtures("signing_key")
 def test_a_file_rewritten_with_its_size_and_mtime_restored_is_caught_by_its_ctime(
-    archive: tuple[Path, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    archive: tuple[Path, str], node_copy: Path
 ) -> None:
-    path, sha256 = archive
-    monkeypatch.setenv(bootstrap.ENV_CACHE_ENV, str(tmp_path / "node"))
-    target = bootstrap.verified_environment(str(path), sha256, "key")
-    planted = target / "pkg" / "__init__.py"
-    _past_the_recorded_ctimes(target)
+    _, sha256 = archive
+    planted = node_copy / "pkg" / "__init__.py"
+    _past_the_recorded_ctimes(node_copy)
     _tamper_keeping_size_and_mtime(planted, "VALUE = 'plant'\n")
 
     assert len(planted.read_text()) == len("VALUE = 'built'\n")
-    assert bootstrap.cached_copy_problem(target, sha256) == (
-        "1 entries changed since it was unpacked (first: pkg/__init__.py)"
+    assert bootstrap.cached_copy_problem(node_copy, sha256) == (
+        "entries changed since it was unpacked: 1 (first pkg/__init__.py)"
     )
 
 
-@pytest.mark.usefixtures("signing_key")
 def test_a_refused_copy_is_logged_and_unpacked_again(
-    archive: tuple[Path, str],
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
+    archive: tuple[Path, str], node_copy: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path, sha256 = archive
-    monkeypatch.setenv(bootstrap.ENV_CACHE_ENV, str(tmp_path / "node"))
-    target = bootstrap.verified_environment(str(path), sha256, "key")
-    planted = target / "pkg" / "__init__.py"
-    _past_the_recorded_ctimes(target)
+    planted = node_copy / "pkg" / "__init__.py"
+    _past_the_recorded_ctimes(node_copy)
     _tamper_keeping_size_and_mtime(planted, "VALUE = 'plant'\n")
 
     bootstrap.verified_environment(str(path), sha256, "key")
 
     assert planted.read_text() == "VALUE = 'built'\n"
-    assert bootstrap.cached_copy_problem(target, sha256) is None
-    assert "is refused (1 entries changed since it was unpacked" in capsys.readouterr().err
+    assert bootstrap.cached_copy_problem(node_copy, sha256) is None
+    assert "is refused (entries changed since it was unpacked: 1" in capsys.readouterr().err
 
 
-@pytest.mark.usefixtures("signing_key")
 def test_a_file_added_to_the_node_copy_is_caught(
-    archive: tuple[Path, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    archive: tuple[Path, str], node_copy: Path
 ) -> None:
-    path, sha256 = archive
-    monkeypatch.setenv(bootstrap.ENV_CACHE_ENV, str(tmp_path / "node"))
-    target = bootstrap.verified_environment(str(path), sha256, "key")
-    (target / "pkg" / "sitecustomize.py").write_text("import os\n")
+    _, sha256 = archive
+    (node_copy / "pkg" / "sitecustomize.py").write_text("import os\n")
 
-    assert bootstrap.cached_copy_problem(target, sha256) == (
-        "1 entries were added since it was unpacked (first: pkg/sitecustomize.py)"
+    assert bootstrap.cached_copy_problem(node_copy, sha256) == (
+        "entries added since it was unpacked: 1 (first pkg/sitecustomize.py)"
     )
 
 
-@pytest.mark.usefixtures("signing_key")
 def test_a_file_removed_from_the_node_copy_is_caught(
-    archive: tuple[Path, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    archive: tuple[Path, str], node_copy: Path
 ) -> None:
-    path, sha256 = archive
-    monkeypatch.setenv(bootstrap.ENV_CACHE_ENV, str(tmp_path / "node"))
-    target = bootstrap.verified_environment(str(path), sha256, "key")
-    (target / "pkg" / "__init__.py").unlink()
+    _, sha256 = archive
+    (node_copy / "pkg" / "__init__.py").unlink()
 
-    assert bootstrap.cached_copy_problem(target, sha256) == (
-        "1 entries were removed since it was unpacked (first: pkg/__init__.py)"
+    assert bootstrap.cached_copy_problem(node_copy, sha256) == (
+        "entries removed since it was unpacked: 1 (first pkg/__init__.py)"
     )
 
 
-@pytest.mark.usefixtures("signing_key")
 def test_a_marker_rewritten_without_the_record_key_is_refused(
-    archive: tuple[Path, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    archive: tuple[Path, str], node_copy: Path
 ) -> None:
-    path, sha256 = archive
-    monkeypatch.setenv(bootstrap.ENV_CACHE_ENV, str(tmp_path / "node"))
-    target = bootstrap.verified_environment(str(path), sha256, "key")
-    (target / "pkg" / "__init__.py").write_text("VALUE = 'planted'\n")
-    monkeypatch.setenv(bootstrap.SIGNING_KEY_ENV, "a key of the planter's own")
-    forged = bootstrap._signed_marker(sha256, target)
-    (target / bootstrap.UNPACKED_MARKER).write_text(json.dumps(forged))
-    monkeypatch.setenv(bootstrap.SIGNING_KEY_ENV, "record-key")
+    _, sha256 = archive
+    (node_copy / "pkg" / "__init__.py").write_text("VALUE = 'planted'\n")
+    forged = {"sha256": sha256, "files": bootstrap.stat_table(node_copy), "signature": "0" * 64}
+    (node_copy / bootstrap.UNPACKED_MARKER).write_text(json.dumps(forged))
 
-    assert bootstrap.cached_copy_problem(target, sha256) == (
+    assert bootstrap.cached_copy_problem(node_copy, sha256) == (
         "its marker is not signed with this runner's record key"
     )
 
