@@ -34,9 +34,15 @@ from kinetic_prefect.backends.local.backend import LocalBackend
 from tests.support.gcs_iam import IamProxy
 from tests.support.kube import KubeCluster, running_cluster
 from tests.support.prefect_server import migrated_database
-from tests.support.scheduling import SuiteScheduling
+from tests.support.scheduling import SuiteScheduling, slow_first
 
 SUITE_INTERVALS: dict[str, float] = json.loads(os.environ["KINETIC_INTERVALS"])
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist, the longest cases first (tests/support/scheduling.py)."""
+    if config.getvalue("dist") in ("load", "loadgroup"):
+        slow_first(items)
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:

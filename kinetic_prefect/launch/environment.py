@@ -647,6 +647,14 @@ def bootstrap_command(
     return [*command, "--module", module, "--", *args]
 
 
+def unpack_command(environment: ShippedEnvironment, job_dir: str = "") -> list[str]:
+    """The init container's command: unpack `environment` into the cache, or re-verify it."""
+    command = ["python", "-c", BOOTSTRAP_SOURCE.read_text(), "unpack"]
+    command += ["--archive", environment.archive_uri, "--sha256", environment.sha256]
+    command += ["--key", environment.key]
+    return [*command, "--job-dir", job_dir] if job_dir else command
+
+
 def builder_command(spec_uri: str, destination: str) -> list[str]:
     return ["python", "-c", BOOTSTRAP_SOURCE.read_text(), "build", "--spec", spec_uri,
             "--upload", destination]  # fmt: skip

@@ -6,6 +6,8 @@ Kubernetes backend sends the same dict to the API server.
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import math
 import re
 import secrets
@@ -24,7 +26,11 @@ from kinetic_prefect.common.gcs import NO_BUCKET_METADATA_ENV
 from kinetic_prefect.common.intervals import Intervals
 from kinetic_prefect.errors import ConfigurationError
 from kinetic_prefect.launch.accelerators import Accelerator, machine_type
-from kinetic_prefect.launch.environment import ShippedEnvironment, bootstrap_command
+from kinetic_prefect.launch.environment import (
+    ShippedEnvironment,
+    bootstrap_command,
+    unpack_command,
+)
 from kinetic_prefect.launch.pod_overrides import apply_pod_overrides
 
 MANAGED_BY = "kinetic-prefect"
@@ -44,6 +50,7 @@ ANNOTATION_OUTPUT_DIR = "kinetic-prefect.io/output-dir"
 CONTAINER_NAME = "task"
 POD_MODULE = "kinetic_prefect.pod"
 
+_CPU_MEMORY = ("cpu", "memory")
 _DNS_UNSAFE = re.compile(r"[^a-z0-9-]+")
 _MAX_JOB_NAME = 52  # leaves room for the pod-name suffix Kubernetes appends
 
@@ -69,10 +76,39 @@ GCSFUSE_DRIVER = "gcsfuse.csi.storage.gke.io"
 GCSFUSE_ANNOTATION = "gke-gcsfuse/volumes"
 DATA_MOUNT_ROOT = "/mnt/kinetic-data"
 # The node's cache of unpacked shipped environments: every pod on a node after the first
-# starts from the copy already there (docs/environments.md).
+# starts from the copy already there (docs/environments.md). One directory per namespace and
+# service account (`node_cache_path`): a pod can only ever read what its own identity unpacked.
 ENV_CACHE_VOLUME = "kinetic-env-cache"
 ENV_CACHE_HOST_PATH = "/var/cache/kinetic-prefect/environments"
 ENV_CACHE_MOUNT = "/var/cache/kinetic-prefect/environments"
+# The init container that unpacks (or re-verifies) the environment before the task starts.
+UNPACK_CONTAINER_NAME = "unpack-environment"
+
+
+def node_cache_path(namespace: str, service_account: str | None) -> str:
+    """The node directory of one namespace's and service account's unpacked environments."""
+    scope = f"{namespace}/{service_account or 'default'}".encode()
+    return f"{ENV_CACHE_HOST_PATH}/{hashlib.sha256(scope).hexdigest()[:16]}"
+
+
+def uses_node_cache(manifest: Mapping[str, Any]) -> bool:
+    """Whether the Job's pods mount the node's environment cache (a hostPath volume)."""
+    volumes = manifest["spec"]["template"]["spec"].get("volumes") or []
+    return any(v["name"] == ENV_CACHE_VOLUME and "hostPath" in v for v in volumes)
+
+
+def without_node_cache(manifest: dict[str, Any]) -> dict[str, Any]:
+    """The Job with its environment unpacked into the pod's own emptyDir instead of the node.
+
+    For clusters whose admission refuses hostPath volumes (GKE Autopilot, Pod Security
+    "baseline"): the init container unpacks into an emptyDir, which both allow.
+    """
+    job = copy.deepcopy(manifest)
+    volumes = job["spec"]["template"]["spec"].get("volumes") or []
+    for index, volume in enumerate(volumes):
+        if volume["name"] == ENV_CACHE_VOLUME:
+            volumes[index] = {"name": ENV_CACHE_VOLUME, "emptyDir": {}}
+    return job
 
 
 @dataclass(frozen=True)
@@ -303,15 +339,7 @@ def base_job_manifest(spec: LaunchSpec) -> dict[str, Any]:
         ]
         pod_annotations[GCSFUSE_ANNOTATION] = "true"
     if spec.environment is not None:
-        pod_spec.setdefault("volumes", []).append(
-            {
-                "name": ENV_CACHE_VOLUME,
-                "hostPath": {"path": ENV_CACHE_HOST_PATH, "type": "DirectoryOrCreate"},
-            }
-        )
-        container.setdefault("volumeMounts", []).append(
-            {"name": ENV_CACHE_VOLUME, "mountPath": ENV_CACHE_MOUNT}
-        )
+        _add_environment_unpacking(pod_spec, container, spec, spec.environment)
     job_spec: dict[str, Any] = {
         "backoffLimit": 0,
         "ttlSecondsAfterFinished": spec.ttl_seconds_after_finished,
@@ -339,6 +367,41 @@ def base_job_manifest(spec: LaunchSpec) -> dict[str, Any]:
         },
         "spec": job_spec,
     }
+
+
+def _add_environment_unpacking(
+    pod_spec: dict[str, Any],
+    container: dict[str, Any],
+    spec: LaunchSpec,
+    environment: ShippedEnvironment,
+) -> None:
+    """The init container that readies the environment, and the task's read-only view of it.
+
+    Only the init container writes to the cache: the task code never can, so nothing it
+    does reaches the next pod that reuses the node's copy.
+    """
+    path = node_cache_path(spec.namespace, spec.service_account)
+    pod_spec.setdefault("volumes", []).append(
+        {"name": ENV_CACHE_VOLUME, "hostPath": {"path": path, "type": "DirectoryOrCreate"}}
+    )
+    command = unpack_command(environment, spec.job_dir_uri)
+    requests = container["resources"]["requests"]
+    pod_spec["initContainers"] = [
+        {
+            "name": UNPACK_CONTAINER_NAME,
+            "image": spec.image,
+            "command": command[:3],
+            "args": command[3:],
+            # The task's own env: the same store, credentials and record key.
+            "env": copy.deepcopy(container["env"]),
+            # The pod requests the larger of the two, so the task's cpu and memory cost nothing.
+            "resources": {"requests": {k: v for k, v in requests.items() if k in _CPU_MEMORY}},
+            "volumeMounts": [{"name": ENV_CACHE_VOLUME, "mountPath": ENV_CACHE_MOUNT}],
+        }
+    ]
+    container.setdefault("volumeMounts", []).append(
+        {"name": ENV_CACHE_VOLUME, "mountPath": ENV_CACHE_MOUNT, "readOnly": True}
+    )
 
 
 def container_of(manifest: Mapping[str, Any]) -> dict[str, Any]:

@@ -15,6 +15,12 @@ is used as it is. A failure is the pod's "environment" phase failure: it
 leaves a signed `final-state.json` in the job directory, as the pod runtime's
 own phases do, and exits with the phase-failure code.
 
+`unpack` is the pod's init container: it readies the environment in the cache
+as `run` does, but trusts a copy already there only once every file's size,
+mtime and ctime match the table in its marker and the marker's signature (the
+record key) holds; otherwise it unpacks the archive again. The task container then mounts the cache
+read-only and `run` finds the environment ready. See docs/environments.md.
+
 `build` turns a build spec (the resolved pins, the platform and Python, the
 local wheels) into the environment's archive: it installs the pins with uv
 for the pod's platform into a directory and packs it, then writes the
@@ -406,8 +412,10 @@ def _download_and_unpack(archive_uri: str, sha256: str, cache: Path, target: Pat
         unpacked = scratch / "env"
         unpack(archive, unpacked)
         archive.unlink()
-        (unpacked / UNPACKED_MARKER).write_text(sha256)
-        (cache / f".{target.name}.size").write_text(str(_tree_size(unpacked)))
+        marker = _signed_marker(sha256, unpacked)
+        (unpacked / UNPACKED_MARKER).write_text(json.dumps(marker))
+        size = sum(stat[0] for stat in marker["files"].values())  # type: ignore[attr-defined]
+        (cache / f".{target.name}.size").write_text(str(size))
         shutil.rmtree(target, ignore_errors=True)  # a partial copy of an interrupted pod
         os.rename(unpacked, target)
     finally:
@@ -548,6 +556,104 @@ def _unused(use: Path) -> Iterator[bool]:
         yield True
 
 
+def stat_table(directory: Path) -> dict[str, list[int]]:
+    """Every entry under `directory` (but the unpacked marker): its size, mtime and ctime.
+
+    Entries are `lstat`ed, never followed. Nobody can set a ctime: any write, chmod,
+    rename or `os.utime` sets it to now, so a file changed after the table was taken
+    no longer matches it, even with its size and mtime put back.
+    """
+    table: dict[str, list[int]] = {}
+    pending = [("", str(directory))]
+    while pending:
+        prefix, path = pending.pop()
+        with os.scandir(path) as entries:
+            for entry in entries:
+                relative = prefix + entry.name
+                if relative == UNPACKED_MARKER:
+                    continue
+                info = entry.stat(follow_symlinks=False)
+                table[relative] = [info.st_size, info.st_mtime_ns, info.st_ctime_ns]
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append((relative + "/", entry.path))
+    return table
+
+
+def _marker_signature(sha256: str, files: dict[str, list[int]]) -> str | None:
+    key = os.environ.get(SIGNING_KEY_ENV)
+    if not key:
+        return None
+    signed = sha256.encode() + b":" + json.dumps(files, sort_keys=True).encode()
+    return hmac.new(key.encode(), signed, hashlib.sha256).hexdigest()
+
+
+def _signed_marker(sha256: str, directory: Path) -> dict[str, object]:
+    """What an unpacked environment's marker says: the archive, every entry's stat, a signature.
+
+    Taken once every file is written and its times set, before the rename into the cache
+    (which changes the ctime of the renamed directory only, not of anything inside it).
+    """
+    files = stat_table(directory)
+    return {"sha256": sha256, "files": files, "signature": _marker_signature(sha256, files)}
+
+
+def cached_copy_problem(target: Path, sha256: str) -> str | None:
+    """Why the node's copy at `target` is not the archive `sha256` unpacked; None if it is.
+
+    The marker names the archive and the stat of every entry unpacked from it, signed with
+    the record key the runner gives its pods. Every entry is `lstat`ed again and compared:
+    no file is read, so reuse costs one `lstat` per file (docs/environments.md says what
+    this cannot see).
+    """
+    try:
+        marker = json.loads((target / UNPACKED_MARKER).read_text())
+    except FileNotFoundError:
+        return "not unpacked on this node"
+    except (OSError, ValueError) as exc:
+        return f"its marker is unreadable ({exc})"
+    if not isinstance(marker, dict) or marker.get("sha256") != sha256:
+        return "its marker names another archive"
+    files = marker.get("files")
+    if not isinstance(files, dict):
+        return "its marker has no table of the unpacked files"
+    expected = _marker_signature(sha256, files)
+    if expected is not None and not hmac.compare_digest(expected, str(marker.get("signature"))):
+        return "its marker is not signed with this runner's record key"
+    found = stat_table(target)
+    added = sorted(found.keys() - files.keys())
+    if added:
+        return f"entries added since it was unpacked: {len(added)} (first {added[0]})"
+    removed = sorted(files.keys() - found.keys())
+    if removed:
+        return f"entries removed since it was unpacked: {len(removed)} (first {removed[0]})"
+    changed = sorted(name for name, stat in found.items() if stat != files[name])
+    if changed:
+        return f"entries changed since it was unpacked: {len(changed)} (first {changed[0]})"
+    return None
+
+
+def verified_environment(archive_uri: str, sha256: str, key: str) -> Path:
+    """The environment in the node cache, unpacked again unless the copy there verifies."""
+    cache = Path(os.environ.get(ENV_CACHE_ENV) or DEFAULT_CACHE)
+    target = cache / key
+    cache.mkdir(parents=True, exist_ok=True)
+    hold_in_use(cache, key)  # its last use is now (the task container mounts it read-only)
+    with open(cache / f".{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        problem = cached_copy_problem(target, sha256)
+        if problem is None:
+            return target
+        if (target / UNPACKED_MARKER).exists():
+            sys.stderr.write(
+                f"kinetic-prefect pod: the node's copy of environment {key[:12]} is "
+                f"refused ({problem}); unpacking it again\n"
+            )
+        _download_and_unpack(archive_uri, sha256, cache, target)
+    # Pruned once the lock is released: the pods waiting for this environment start now.
+    prune_cache(cache, node_cache_max_bytes(), keep=key)
+    return target
+
+
 def start_module(environment: Path, module: str, args: list[str]) -> None:
     """Run `python -m module args` with the environment first on the path."""
     import runpy
@@ -592,6 +698,32 @@ def record_failure(job_dir: str, message: str, error: BaseException) -> None:
     upload(json.dumps(record, indent=1).encode(), f"{job_dir.rstrip('/')}/{FINAL_STATE_JSON}")
 
 
+def _fail(options: argparse.Namespace, exc: BaseException) -> int:
+    """Report the environment phase's failure, in the log and in the job directory."""
+    message = f"Failed during {PHASE}: {exc}"
+    sys.stderr.write(f"kinetic-prefect pod: {message}\n")
+    if options.job_dir:
+        try:
+            record_failure(options.job_dir, message, exc)
+        except Exception as write_error:  # the log is all that is left
+            sys.stderr.write(f"kinetic-prefect pod: could not write the record: {write_error}\n")
+    return EXIT_PHASE_FAILED
+
+
+def unpack_for_pod(options: argparse.Namespace) -> int:
+    """The `unpack` command of a pod's init container: ready and verify, then exit."""
+    started = time.monotonic()
+    try:
+        verified_environment(options.archive, options.sha256, options.key)
+    except Exception as exc:
+        return _fail(options, exc)
+    sys.stderr.write(
+        f"kinetic-prefect pod: environment {options.key[:12]} verified in "
+        f"{time.monotonic() - started:.2f}s\n"
+    )
+    return 0
+
+
 def run(options: argparse.Namespace) -> int:
     started = time.monotonic()
     try:
@@ -602,16 +734,7 @@ def run(options: argparse.Namespace) -> int:
             _token()
         environment = ready_environment(options.archive, options.sha256, options.key)
     except Exception as exc:
-        message = f"Failed during {PHASE}: {exc}"
-        sys.stderr.write(f"kinetic-prefect pod: {message}\n")
-        if options.job_dir:
-            try:
-                record_failure(options.job_dir, message, exc)
-            except Exception as write_error:  # the log is all that is left
-                sys.stderr.write(
-                    f"kinetic-prefect pod: could not write the record: {write_error}\n"
-                )
-        return EXIT_PHASE_FAILED
+        return _fail(options, exc)
     sys.stderr.write(
         f"kinetic-prefect pod: environment {options.key[:12]} ready in "
         f"{time.monotonic() - started:.2f}s\n"
@@ -778,6 +901,11 @@ def main(argv: list[str] | None = None) -> int:
     run_parser.add_argument("--job-dir", default="")
     run_parser.add_argument("--module", required=True)
     run_parser.add_argument("args", nargs=argparse.REMAINDER)
+    unpack_parser = commands.add_parser("unpack")
+    unpack_parser.add_argument("--archive", required=True)
+    unpack_parser.add_argument("--sha256", required=True)
+    unpack_parser.add_argument("--key", required=True)
+    unpack_parser.add_argument("--job-dir", default="")
     build_parser = commands.add_parser("build")
     build_parser.add_argument("--spec", required=True)
     build_parser.add_argument("--upload", default="")
@@ -790,6 +918,8 @@ def main(argv: list[str] | None = None) -> int:
         answer = test_iam(json.loads(options.wanted))
         print(IAM_ANSWER_PREFIX + json.dumps(answer, sort_keys=True), flush=True)
         return 0
+    if options.command == "unpack":
+        return unpack_for_pod(options)
     if options.command == "run":
         if options.args[:1] == ["--"]:
             options.args = options.args[1:]

@@ -39,12 +39,16 @@ def _read_lease(uri: str) -> bytes | None:
         return None  # gone or unreadable: no renewal
 
 
-def orphan_reason(watch: LeaseWatch, lease_uri: str, timeout: float) -> str | None:
-    """Why this pod has no owner any more (after one more look at the lease), or None."""
-    watch.look(_read_lease(lease_uri))
+def orphan_reason(watch: LeaseWatch, lease: bytes | None, timeout: float, now: float) -> str | None:
+    """Why this pod has no owner any more, after one more look at the lease as read at `now`.
+
+    `lease` is the lease's bytes (None: gone or unreadable). A pure decision: the
+    watchdog's thread reads the lease and the clock, tests give both.
+    """
+    watch.look(lease)
     if watch.ending:
         return f"the runner marked its lease: the flow run is {watch.ending}"
-    age = time.time() - watch.renewed_at
+    age = now - watch.renewed_at
     if age > timeout:
         return (
             f"the runner's lease was last renewed {age:.0f}s ago (limit {timeout:.0f}s"
@@ -84,7 +88,7 @@ def start_watchdog(look_seconds: float) -> None:
     def run() -> None:
         while True:
             time.sleep(every)
-            reason = orphan_reason(watch, lease_uri, timeout)
+            reason = orphan_reason(watch, _read_lease(lease_uri), timeout, time.time())
             if reason:
                 _end_pod(reason)
                 return

@@ -10,8 +10,6 @@ process that is gone cannot mark anything: its pods end after the orphan timeout
 
 from __future__ import annotations
 
-import os
-import time
 from pathlib import Path
 
 import pytest
@@ -19,12 +17,9 @@ from prefect import get_client
 from prefect.states import Cancelling
 
 from kinetic_prefect.backends.local.pods import read_pod
-from kinetic_prefect.common.intervals import Intervals
 from kinetic_prefect.launch.manifest import LABEL_FLOW_RUN_ID
 from tests.conftest import GcsTestBucket
 from tests.emulated.test_reattach import (
-    SIGTERM_SLACK,
-    TTL,
     _gcs_checkpoints,
     _kill,
     _live_pods,
@@ -42,19 +37,9 @@ OPTIONS = {"orphan_timeout": ORPHAN_TIMEOUT, "steps": 200, "pause": 1.0}
 ENDED_BY_THE_LEASE = "nobody owns this pod: the runner marked its lease: the flow run is cancelled"
 
 
-def _notice() -> float:
-    """The runner's look at the flow run, then the pod's look at the lease (at the intervals
-    the flow process and its pods get from this environment)."""
-    intervals = Intervals.from_environ(os.environ)
-    return min(intervals.flow_run_look_seconds, ORPHAN_TIMEOUT / 4) + min(
-        intervals.watchdog_look_seconds, ORPHAN_TIMEOUT / 4
-    )
-
-
-def _cancel(flow_run_id: str) -> float:
+def _cancel(flow_run_id: str) -> None:
     with get_client(sync_client=True) as client:
         client.set_flow_run_state(flow_run_id, Cancelling(), force=True)
-    return time.monotonic()
 
 
 def _local_pod_logs(workdir: Path, flow_run_id: str) -> list[str]:
@@ -72,14 +57,14 @@ def test_cancelling_a_flow_run_ends_its_local_pods_through_the_lease(workdir: Pa
     try:
         assert _live_pods(workdir, flow_run_id)
 
-        cancelled = _cancel(flow_run_id)
+        _cancel(flow_run_id)
         wait_until(lambda: not _live_pods(workdir, flow_run_id), 120, "the pod to end")
-        ended_after = time.monotonic() - cancelled
     finally:
         _kill(process)
 
-    assert ended_after < _notice() + SIGTERM_SLACK < ORPHAN_TIMEOUT
-    # The pod ended itself for its lease; the runner stopping it would say so in its log.
+    # The pod ended itself for its lease marked cancelled: a pod ended by its orphan
+    # timeout (60 s) would give the lease's age as the reason, and the runner stopping
+    # it would say so in its log.
     (log,) = _local_pod_logs(workdir, flow_run_id)
     assert ENDED_BY_THE_LEASE in log
     assert "(stopped by the runner)" not in log
@@ -100,13 +85,11 @@ def test_cancelling_a_flow_run_ends_its_jobs_through_the_lease(
         (job,) = cluster.jobs()
         pod_log = _pod_log(cluster, job["metadata"]["name"])
 
-        cancelled = _cancel(flow_run_id)
+        _cancel(flow_run_id)
         wait_until(lambda: not cluster.jobs(), 120, "the Job to be deleted")
-        gone_after = time.monotonic() - cancelled
     finally:
         _kill(process)
 
-    assert gone_after < _notice() + SIGTERM_SLACK + TTL < ORPHAN_TIMEOUT
     # The pod ended itself for its lease and its Job went after its TTL: no client (the
     # runner, the CLI) deleted a Job or a pod, as the API server's request log shows.
     deleted = [

@@ -30,13 +30,14 @@ def _write_random(path: Path, size: int, rng: random.Random) -> Path:
 
 
 def _mixed_tree(root: Path, rng: random.Random) -> Path:
-    """300 MiB: three 80 MiB files, 1500 small ones of 1 to 40 KiB, and one filling the rest."""
+    """160 MiB: three 40 MiB files (two 32 MiB upload chunks each: `UPLOAD_CHUNK_BYTES`),
+    1500 small ones of 1 to 40 KiB, and one filling the rest."""
     for index in range(3):
-        _write_random(root / "large" / f"shard-{index}.bin", 80 * MIB, rng)
+        _write_random(root / "large" / f"shard-{index}.bin", 40 * MIB, rng)
     sizes = [rng.randint(1024, 40 * 1024) for _ in range(1500)]
     for index, size in enumerate(sizes):
         _write_random(root / "small" / f"{index % 20:02d}" / f"item-{index}.bin", size, rng)
-    _write_random(root / "medium.bin", 60 * MIB - sum(sizes), rng)
+    _write_random(root / "medium.bin", 40 * MIB - sum(sizes), rng)
     return root
 
 
@@ -61,7 +62,7 @@ def _data_uploads(gcs, prefix: str = "data-cache/", since: int = 0) -> list[str]
 
 
 @pytest.mark.slow
-def test_64_mib_file_and_300_mib_tree_are_verified_in_the_pod_and_uploaded_once(gcs, workdir):
+def test_64_mib_file_and_160_mib_tree_are_verified_in_the_pod_and_uploaded_once(gcs, workdir):
     rng = random.Random(7)
     big = _write_random(workdir / "weights.bin", 64 * MIB, rng)
     tree = _mixed_tree(workdir / "corpus", rng)
@@ -84,7 +85,7 @@ def test_64_mib_file_and_300_mib_tree_are_verified_in_the_pod_and_uploaded_once(
     # The file, and the tree's 3 large, 1500 small and one medium file: each uploaded once.
     assert _data_uploads(gcs) == gcs.names("data-cache/")
     assert len(_data_uploads(gcs)) == 1 + 1504
-    assert sum(blob.size for blob in stored) == 364 * MIB
+    assert sum(blob.size for blob in stored) == (64 + 160) * MIB
     assert len(_data_uploads(gcs, "data-markers/")) == 2
 
 

@@ -177,7 +177,8 @@ def test_tasks_share_warm_pods_only_within_their_pod_spec(workdir):
 
 
 def test_a_task_of_another_spec_retires_an_idle_pod_holding_the_only_slot(workdir):
-    idle_seconds = 120.0
+    # Past pytest-timeout's 900 s backstop: the run can end only if the idle pod is retired.
+    idle_seconds = 3600.0
 
     @flow(
         task_runner=KineticTaskRunner(
@@ -190,10 +191,8 @@ def test_a_task_of_another_spec_retires_an_idle_pod_holding_the_only_slot(workdi
             other = note_environment.submit(2).result()
         return first["pid"], other["pid"]
 
-    started = time.monotonic()
     first_pid, other_pid = run()
 
-    assert time.monotonic() - started < idle_seconds / 2
     assert other_pid != first_pid
     assert _pod_with_pid(workdir, first_pid).exit_code == -signal.SIGTERM
 
@@ -528,22 +527,26 @@ def test_warm_pods_on_two_busy_nodes_share_the_map_instead_of_idling_on_their_no
     from tests.support.kube_objects import gke_nodes
 
     cluster.kubelet.nodes[:] = gke_nodes("l4-pool", "l4", 2)
+    # Past pytest-timeout's 900 s backstop: pods that waited out the idle time of the pods
+    # holding both nodes could not let the run pass.
     runner = KineticTaskRunner(
-        cluster=gke, allow_loopback_api=True, accelerator="l4", warm_pods=True
+        cluster=gke,
+        allow_loopback_api=True,
+        accelerator="l4",
+        warm_pods=True,
+        warm_pod_idle_seconds=3600,
     )
 
     @flow(task_runner=runner)
     def run() -> list[int]:
         return [future.result()["x"] for future in note_environment.map(range(12))]
 
-    started = time.monotonic()
     assert run() == list(range(12))
 
     # Without a bound on starting pods, each task got a Job of its own, and the pods that
     # waited for a node waited out the idle time of the pods holding both nodes.
     assert cluster.kubelet.most_bound["l4-pool"] == 2
     assert len(cluster.created_jobs()) <= 4
-    assert time.monotonic() - started < 60  # warm_pod_idle_seconds, the default
 
 
 def test_warm_final_records_are_read_at_most_once_per_task_and_once_per_4_s_of_the_flow(

@@ -21,7 +21,14 @@ from kinetic_prefect.launch.environment import (
     build_locally,
     plan_environment,
 )
+from kinetic_prefect.launch.manifest import (
+    ENV_CACHE_VOLUME,
+    UNPACK_CONTAINER_NAME,
+    node_cache_path,
+)
 from tests.support.clusters import SHIPPED_REQUIREMENTS
+from tests.support.kube import NAMESPACE
+from tests.support.kube_admission import AUTOPILOT
 from tests.support.metadata_server import MetadataServer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -89,6 +96,7 @@ def test_a_sweep_completes_when_the_metadata_server_is_slow_to_answer_new_pods(
 
 # The builder Job installs a whole environment in a bare interpreter: 4 to 5 minutes on 2
 # cores with the rest of the suite running (the suite's 900 s backstop applies).
+@pytest.mark.slow
 def test_a_new_environment_is_built_by_a_builder_job_with_the_key_the_local_builder_gives(
     gke: str, cluster: KubeCluster, gcs: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -200,3 +208,63 @@ def test_a_dependency_from_a_local_path_outside_the_project_says_how_to_ship_it(
     with pytest.raises(EnvironmentBuildError, match="outside the project.*Publish it"):
         from_a_path()
     assert cluster.created_jobs() == []
+
+
+@task
+def squared(x: int) -> int:
+    return x * x
+
+
+def _env_cache_volumes(cluster: KubeCluster) -> list[dict[str, object]]:
+    return [
+        v
+        for job in cluster.created_jobs()
+        if not job["metadata"]["name"].startswith("kp-env-")
+        for v in job["spec"]["template"]["spec"].get("volumes", [])
+        if v["name"] == ENV_CACHE_VOLUME
+    ]
+
+
+def test_a_default_sweep_completes_under_autopilots_warden_admission(
+    gke: str, cluster: KubeCluster
+) -> None:
+    cluster.call(lambda: setattr(cluster.emulator, "admission", AUTOPILOT))
+
+    @flow(task_runner=_runner(gke))
+    def sweep() -> list[int]:
+        return [f.result() for f in squared.map([2, 3])]
+
+    assert sweep() == [4, 9]
+    assert [v.get("emptyDir") for v in _env_cache_volumes(cluster)] == [{}, {}]
+
+
+def test_a_default_sweep_completes_in_a_namespace_enforcing_pod_security_baseline(
+    gke: str, cluster: KubeCluster
+) -> None:
+    labels = {NAMESPACE: {"pod-security.kubernetes.io/enforce": "baseline"}}
+    cluster.call(lambda: cluster.emulator.namespace_labels.update(labels))
+
+    @flow(task_runner=_runner(gke))
+    def sweep() -> list[int]:
+        return [f.result() for f in squared.map([2, 3])]
+
+    assert sweep() == [4, 9]
+    assert [v.get("emptyDir") for v in _env_cache_volumes(cluster)] == [{}, {}]
+
+
+def test_where_hostpath_is_admitted_the_task_reads_the_node_cache_read_only(
+    gke: str, cluster: KubeCluster
+) -> None:
+    @flow(task_runner=_runner(gke))
+    def once() -> int:
+        return squared.submit(4).result()
+
+    assert once() == 16
+    (job,) = [j for j in cluster.created_jobs() if not j["metadata"]["name"].startswith("kp-env-")]
+    pod_spec = job["spec"]["template"]["spec"]
+    mounts = [m for m in pod_spec["containers"][0]["volumeMounts"] if m["name"] == ENV_CACHE_VOLUME]
+    assert [m.get("readOnly") for m in mounts] == [True]
+    assert [c["name"] for c in pod_spec["initContainers"]] == [UNPACK_CONTAINER_NAME]
+    assert [v["hostPath"]["path"] for v in _env_cache_volumes(cluster)] == [
+        node_cache_path(NAMESPACE, pod_spec.get("serviceAccountName"))
+    ]

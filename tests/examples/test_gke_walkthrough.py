@@ -232,6 +232,7 @@ def terminal(
 
 
 # Two flows of four pods and a worker's flow pod, start to end: longer than one case's default.
+@pytest.mark.slow
 @pytest.mark.timeout(3 * FLOW_SECONDS)
 def test_the_gke_guides_run_as_written_on_a_new_strict_cluster(terminal: Terminal) -> None:
     admin_block, your_block = _sh_blocks(doc_section(README, "## Running on GKE"))

@@ -193,11 +193,14 @@ class KubeCluster:
         return self.call(lambda: self.emulator.live("services", namespace))
 
     def created(self, plural: str) -> list[dict[str, Any]]:
-        """Every body of `plural` the API accepted a POST for, exactly as sent."""
+        """Every body of `plural` the API accepted a POST for, exactly as sent (not dry runs)."""
         return [
             json.loads(r.body)
             for r in self.call(lambda: list(self.emulator.requests))
-            if r.method == "POST" and r.resource is not None and r.resource.plural == plural
+            if r.method == "POST"
+            and r.resource is not None
+            and r.resource.plural == plural
+            and r.params.get("dryRun") != "All"
         ]
 
     def secret(self, namespace: str, name: str) -> dict[str, Any] | None:

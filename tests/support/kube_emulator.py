@@ -9,7 +9,9 @@ errors: a request answered with an error Status, as the API server writes one,
 before anything is stored; once (`fail_next`) or until lifted (`refuse`, e.g. a
 token that was rotated away, or watches the credentials may no longer open).
 Every request is authenticated and authorized, and pods pass ServiceAccount
-admission, as kube-apiserver does them (tests/support/kube_auth.py).
+admission, as kube-apiserver does them (tests/support/kube_auth.py), and the admission
+profiles of tests/support/kube_admission.py (GKE Autopilot, Pod Security "baseline"). A
+create with `dryRun=All` is authorized and admitted and then answered without storing.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import attrs
 import kmock
 from kmock._internal import aiobus
 
-from tests.support import kube_auth
+from tests.support import kube_admission, kube_auth
 from tests.support.kube_objects import now
 
 JOBS = "jobs"
@@ -176,6 +178,10 @@ class ClusterEmulator(kmock.KubernetesEmulator):
     # Every 401 and RBAC 403 authorization answered (never an injected fault):
     # (code, method, path, message).
     refusals: list[tuple[int, str, str, str]] = attrs.field(factory=list, init=False)
+    # Admission profiles (tests/support/kube_admission.py): "autopilot" plays GKE Autopilot's
+    # Warden on every namespace; a namespace's labels here may enforce a Pod Security level.
+    admission: str | None = attrs.field(default=None, init=False)
+    namespace_labels: dict[str, dict[str, str]] = attrs.field(factory=dict, init=False)
     # Kueue's visibility API: (namespace, LocalQueue) -> its PendingWorkloadsSummary.
     pending_workloads: Any = attrs.field(default=None, init=False)
 
@@ -288,6 +294,11 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         if resource is not None and resource.plural == PODS and request.method.value == "POST":
             pod = request.data if isinstance(request.data, dict) else {}
             refused = kube_auth.missing_service_account(pod, request.namespace or "", self.policy)
+            if refused is None and self.admission == kube_admission.AUTOPILOT:
+                refused = kube_admission.warden_refusal(pod)
+            if refused is None:
+                labels = self.namespace_labels.get(request.namespace or "", {})
+                refused = kube_admission.pod_security_refusal(pod, labels)
             if refused is not None:
                 return _status_response(refused)
         return None
@@ -322,6 +333,9 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         fault = self._take_fault(request)
         if fault is not None:
             return fault.response()
+        if request.action == kmock.action.CREATE and request.params.get("dryRun") == "All":
+            # Authorized and admitted: the object as it would be stored, storing nothing.
+            return aiohttp.web.json_response(request.data, status=201)
         if (
             request.resource is not None
             and request.action == kmock.action.UPDATE

@@ -2,7 +2,9 @@
 
 One work unit per test, handed out in collection order, except that each module of a
 folder in `ONE_WORKER_FOLDERS` is one unit (handed out first, being the largest): its
-tests share a costly module-scoped fixture that then starts once per run. (xdist's own
+tests share a costly module-scoped fixture that then starts once per run. The tests
+marked `slow` come next (`slow_first`), so the longest cases do not start last and
+leave three workers idle while one finishes them. (xdist's own
 `xdist_group` marks do not group under pytest 9: xdist renames items through an
 attribute pytest no longer reads.)
 
@@ -12,6 +14,7 @@ figures live in tests/benchmarks/.
 
 from __future__ import annotations
 
+import pytest
 from xdist.scheduler import LoadScopeScheduling
 
 ONE_WORKER_FOLDERS = ("tests/worker/",)
@@ -27,3 +30,17 @@ class SuiteScheduling(LoadScopeScheduling):  # type: ignore[misc]
     def _split_scope(self, nodeid: str) -> str:
         module = module_of(nodeid)
         return module if module.startswith(ONE_WORKER_FOLDERS) else nodeid
+
+
+def slow_first(items: list[pytest.Item]) -> None:
+    """Reorder `items` in place: `ONE_WORKER_FOLDERS`, then `slow`, then the rest.
+
+    A stable sort, the same in every worker (xdist needs one collection order).
+    """
+
+    def rank(item: pytest.Item) -> int:
+        if module_of(item.nodeid).startswith(ONE_WORKER_FOLDERS):
+            return 0
+        return 1 if item.get_closest_marker("slow") else 2
+
+    items.sort(key=rank)

@@ -33,6 +33,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from prefect.logging import get_logger
 
 from kinetic_prefect.backends.base import FoundPod, OnExit, OnPending, Secrets
+from kinetic_prefect.backends.gke.admission import NodeCacheAdmission
 from kinetic_prefect.backends.gke.client import (
     MANAGED_SELECTOR,
     api_error_message,
@@ -123,6 +124,8 @@ class KubernetesBackend(JobEnding):
         self._active = 0
         self._secrets = JobSecrets(self._job_may_exist, intervals.owner_batch_seconds)
         self._connect_lock: asyncio.Lock | None = None
+        # Whether each namespace admits the node's environment cache (backends/gke/admission.py).
+        self._admission = NodeCacheAdmission()
         # Where Jobs waiting in a Kueue LocalQueue stand, read only while any waits.
         self._queue_reader = QueueReader(
             self._jobs,
@@ -323,6 +326,7 @@ class KubernetesBackend(JobEnding):
         job.counted = True
         created: dict[str, Any] | None
         try:
+            job.manifest = await self._admission.admit(self._core, job.namespace, job.manifest)
             created = await create_idempotently(
                 lambda: self._batch.create_namespaced_job(
                     job.namespace, body=job.manifest, _preload_content=False

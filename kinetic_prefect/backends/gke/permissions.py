@@ -48,6 +48,7 @@ RUNNER_ACCESS: tuple[Access, ...] = (
     *_each("", "pods", "get list watch", "follow the task pods"),
     *_each("batch", "jobs", "patch", "a restarted flow process relabels its live Jobs"),
     *_each("", "pods", "patch", "... and their pods, to watch them"),
+    *_each("", "pods", "create", "a dry-run pod: may pods mount the node's environment cache"),
     *_each("", "pods/log", "get", "show a pod's log in its task run"),
     *_each("", "events", "list", "say why a pod is pending or was not created"),
     *_each("", "services", "create get delete", "a multi-host slice's headless Service"),

@@ -3,6 +3,10 @@
 The manifest's container command and env are run as they are, with `python`
 replaced by the current interpreter. One watcher thread waits on every pod's
 pidfd, so a pod's exit is noticed as it happens rather than by polling.
+A pod's init containers (the shipped environment's unpack) run in order, as the
+kubelet runs them, on a thread of that pod's own: the watcher never waits for
+one. A failed init container ends the pod with its exit code, and the task
+container never starts.
 
 A multi-host slice (an Indexed Job) runs as one process group per host, wired to
 each other on 127.0.0.1 (`slices.local_host_env`). The first host that ends badly
@@ -36,7 +40,10 @@ from kinetic_prefect.backends.local.container import (
     PodProcess,
     container_command,
     container_env,
+    env_cache_directory,
+    has_init_containers,
     materialise_fuse_volumes,
+    run_init_containers,
     start_process,
 )
 from kinetic_prefect.backends.local.interpreter import default_interpreter
@@ -51,7 +58,6 @@ from kinetic_prefect.backends.local.pods import (
 from kinetic_prefect.common.env import ENV_CACHE_ENV, MOUNT_ROOT_ENV, SCRATCH_DIR_ENV
 from kinetic_prefect.launch.environment import cache_dir
 from kinetic_prefect.launch.manifest import (
-    ENV_CACHE_HOST_PATH,
     LABEL_FLOW_RUN_ID,
     LABEL_TASK_IDENTITY,
     LABEL_WARM,
@@ -379,17 +385,29 @@ class LocalBackend:
                     return
                 pod = self._queued.popleft()
                 self._running[pod.job_id] = pod
-            try:
-                self._spawn(pod)
-                with self._lock:
-                    if pod.cancelled:  # cancelled while its processes were starting
-                        self._terminate(pod)
-            except Exception as exc:
-                logger.error("Could not start pod %s: %s", pod.job_id, exc)
-                with self._lock:
-                    self._running.pop(pod.job_id, None)
-                pod.log_path.write_text(f"could not start the pod: {exc}\n")
-                self._finish(pod, exit_code=127, sig=None, reason=f"could not start: {exc}")
+            if has_init_containers(pod.manifest):
+                # Init containers can download and unpack for minutes: on a thread of the
+                # pod's own, so this one keeps noticing every other pod's exit meanwhile.
+                threading.Thread(
+                    target=self._start, args=(pod,), name=f"kinetic-start-{pod.job_id}", daemon=True
+                ).start()
+            else:
+                self._start(pod)
+
+    def _start(self, pod: PodProcess) -> None:
+        """Start the pod's processes (after its init containers), then let the watcher see them."""
+        try:
+            self._spawn(pod)
+            with self._lock:
+                if pod.cancelled:  # cancelled while its processes were starting
+                    self._terminate(pod)
+        except Exception as exc:
+            logger.error("Could not start pod %s: %s", pod.job_id, exc)
+            with self._lock:
+                self._running.pop(pod.job_id, None)
+            pod.log_path.write_text(f"could not start the pod: {exc}\n")
+            self._finish(pod, exit_code=127, sig=None, reason=f"could not start: {exc}")
+        self._wake()
 
     def _spawn(self, pod: PodProcess) -> None:
         scratch = self.workspace / pod.job_id
@@ -397,18 +415,19 @@ class LocalBackend:
         mounts = materialise_fuse_volumes(pod.manifest, scratch / "mnt")
         count = local_host_count(pod.manifest)
         port = free_port() if count > 1 else 0
+        hosts: list[HostProcess] = []
         try:
             for index in range(count):
-                pod.hosts.append(self._spawn_host(pod, index, count, port, scratch, mounts))
+                hosts.append(self._spawn_host(pod, index, count, port, scratch, mounts))
         except BaseException:
-            for host in pod.hosts:  # a slice starts whole or not at all
+            for host in hosts:  # a slice starts whole or not at all
                 signal_group(host.process.pid, signal.SIGKILL)
                 if host.pidfd is not None:
                     os.close(host.pidfd)
                     host.pidfd = None
             raise
         pod.started_at = time.monotonic()
-        pid = pod.hosts[0].process.pid
+        pid = hosts[0].process.pid
         record_update(
             self.workspace,
             pod.job_id,
@@ -417,8 +436,12 @@ class LocalBackend:
             started_at=time.time(),
         )
         deadline = pod.manifest["spec"].get("activeDeadlineSeconds")
-        if deadline:
-            pod.deadline = time.monotonic() + float(deadline)
+        with self._lock:
+            if deadline:
+                pod.deadline = time.monotonic() + float(deadline)
+            # Only now does the watcher see the hosts: it must never take a slice that is
+            # still starting for one that ended, nor record the end before the start.
+            pod.hosts = hosts
 
     def _spawn_host(
         self, pod: PodProcess, index: int, count: int, port: int, scratch: Path, mounts: Path | None
@@ -432,12 +455,17 @@ class LocalBackend:
         if mounts:
             env[MOUNT_ROOT_ENV] = str(mounts)
         if ENV_CACHE_ENV in env:
-            # The node's environment cache (a hostPath volume on GKE).
-            env[ENV_CACHE_ENV] = str(self.node_root / ENV_CACHE_HOST_PATH.lstrip("/"))
+            # The environment cache volume: the node's (a hostPath on GKE) or the pod's own.
+            env[ENV_CACHE_ENV] = str(env_cache_directory(pod.manifest, self.node_root, scratch))
             for name in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP"):
                 env.pop(name, None)  # a stock image has none of this machine's Python
         log_path = self._log_path(pod.job_id, index)
-        command = container_command(pod.manifest, self.interpreter(pod.manifest))
+        interpreter = self.interpreter(pod.manifest)
+        command = container_command(pod.manifest, interpreter)
+        failed = run_init_containers(pod.manifest, interpreter, env, scratch, log_path)
+        if failed:
+            # The pod ends as its failed init container did; the task container never starts.
+            command = [interpreter, "-c", f"raise SystemExit({failed})"]
         process, pidfd = start_process(command, env, scratch, log_path)
         return HostProcess(index, process, pidfd, log_path)
 

@@ -22,7 +22,7 @@ from kinetic_prefect.backends.base import OnExit, Secrets
 from kinetic_prefect.backends.local.interpreter import started_from_node_copy
 from kinetic_prefect.backends.local.template import TemplateChild, forkable, templates
 from kinetic_prefect.data.data import materialise_fuse_volume
-from kinetic_prefect.launch.manifest import GCSFUSE_DRIVER, container_of
+from kinetic_prefect.launch.manifest import ENV_CACHE_VOLUME, GCSFUSE_DRIVER, container_of
 
 logger = get_logger("kinetic_prefect.backends.local.backend")
 
@@ -75,6 +75,40 @@ def container_command(manifest: Mapping[str, Any], interpreter: str = sys.execut
     if command and command[0] in {"python", "python3"}:
         command[0] = interpreter
     return command
+
+
+def env_cache_directory(manifest: Mapping[str, Any], node_root: Path, scratch: Path) -> Path:
+    """Where the pod's environment cache volume lives here: the node's hostPath directory
+    under `node_root`, or the pod's own directory for an emptyDir."""
+    for volume in manifest["spec"]["template"]["spec"].get("volumes") or []:
+        if volume["name"] == ENV_CACHE_VOLUME and "hostPath" in volume:
+            return node_root / volume["hostPath"]["path"].lstrip("/")
+    return scratch / "volumes" / ENV_CACHE_VOLUME
+
+
+def has_init_containers(manifest: Mapping[str, Any]) -> bool:
+    """Whether the pod has init containers to run before its task container."""
+    return bool(manifest["spec"]["template"]["spec"].get("initContainers"))
+
+
+def run_init_containers(
+    manifest: Mapping[str, Any], interpreter: str, env: Mapping[str, str], cwd: Path, log: Path
+) -> int:
+    """Run the pod's init containers in order, as the kubelet does; the first failing code.
+
+    They run with the task container's env (the product gives them the same one).
+    """
+    for init in manifest["spec"]["template"]["spec"].get("initContainers") or []:
+        command = [*init.get("command", []), *init.get("args", [])]
+        if command and command[0] in {"python", "python3"}:
+            command[0] = interpreter
+        with open(log, "ab") as out:
+            code = subprocess.run(
+                command, env=dict(env), cwd=cwd, stdin=subprocess.DEVNULL, stdout=out, stderr=out
+            ).returncode
+        if code != 0:
+            return code
+    return 0
 
 
 def start_process(
