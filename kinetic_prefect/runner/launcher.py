@@ -361,7 +361,11 @@ class Launcher:
             launch.runs_used = max(launch.runs_used, recorded)
         step = after_silent_end(
             state_type=end.state.type,
-            cancelled=launch.cancelled or outcome.cancelled,
+            # A flow run the lease marked over (its pods end themselves on SIGTERM, which
+            # looks like a preemption) is never relaunched.
+            cancelled=launch.cancelled
+            or outcome.cancelled
+            or self.resources.flow_run_ending(launch) is not None,
             preempted=outcome.preempted,
             preemptions_left=launch.preemptions_left,
             retries_left=launch.retries_left,
