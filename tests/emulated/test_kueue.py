@@ -110,11 +110,7 @@ def _admitted_at_once(cluster: KubeCluster) -> int:
             continue
         job = event["object"]
         name = job["metadata"]["name"]
-        finished = any(
-            c["type"] in {"Complete", "Failed"} and c["status"] == "True"
-            for c in (job.get("status") or {}).get("conditions") or []
-        )
-        if event["type"] == "DELETED" or finished or job["spec"].get("suspend"):
+        if event["type"] == "DELETED" or _finished(job) or job["spec"].get("suspend"):
             admitted.discard(name)
         else:
             admitted.add(name)
