@@ -1,7 +1,9 @@
 """A preloaded Python that local pods fork from (`python -m kinetic_prefect.pod.template FD`).
 
 Every pod process starts by importing Prefect, its task engine, cloudpickle and
-the pod runtime: about a second and a half of CPU before the pod does anything.
+the pod runtime: about a second and a half of CPU before the pod does anything,
+and one more for prefect-gcp and prefect-kubernetes when its task carries GCS
+result storage.
 The local backend starts this process once per pod environment instead; it
 imports all of that and then forks one child per pod it is asked for over the
 control socket `FD` (a SOCK_SEQPACKET socket, one JSON message per request).
@@ -30,8 +32,16 @@ from kinetic_prefect.pod.exit import FastExit
 # own exit handlers run first, this one last.
 fast_exit = FastExit()
 
-# What every pod imports before its task runs.
-PRELOADED = ("cloudpickle", "prefect", "prefect.task_engine", "kinetic_prefect.pod.entrypoint")
+# What every pod imports before its task runs, and kinetic-prefect's blocks: a task
+# whose results go to GCS carries a `GcsBucket` with `KineticGcpCredentials`, and
+# unpickling it imports prefect-gcp and prefect-kubernetes (about a second of CPU).
+PRELOADED = (
+    "cloudpickle",
+    "prefect",
+    "prefect.task_engine",
+    "kinetic_prefect.pod.entrypoint",
+    "kinetic_prefect.blocks",
+)
 _MAX_MESSAGE = 1 << 20
 
 
