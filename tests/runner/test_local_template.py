@@ -27,6 +27,7 @@ pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
 @task
 def describe_process() -> dict[str, Any]:
     import prefect.context
+    from kubernetes_asyncio.config import kube_config
 
     parent = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0")
     return {
@@ -37,6 +38,7 @@ def describe_process() -> dict[str, Any]:
         "session_leader": os.getsid(0) == os.getpid(),
         "parent": [part.decode() for part in parent if part],
         "global_api_url": str(prefect.context.GLOBAL_SETTINGS_CONTEXT.settings.api.url),
+        "kubeconfig_default": kube_config.KUBE_CONFIG_DEFAULT_LOCATION,
     }
 
 
@@ -59,8 +61,10 @@ def _comparable(env: dict[str, str]) -> dict[str, str]:
 
 
 def test_a_forked_pod_sees_exactly_the_environment_a_fresh_pod_would(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ):
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "kubeconfig"))
+
     @flow(task_runner=KineticTaskRunner())
     def forked_then_fresh() -> tuple[dict[str, Any], dict[str, Any]]:
         forked = describe_process.submit().result()
@@ -73,6 +77,9 @@ def test_a_forked_pod_sees_exactly_the_environment_a_fresh_pod_would(
     assert "kinetic_prefect.pod.template" not in fresh["parent"]
     assert _comparable(forked["env"]) == _comparable(fresh["env"])
     assert TEMPLATE_ENV not in fresh["env"]
+    # Read on import by kubernetes-asyncio, which the template preloads: the pod's own.
+    for pod in (forked, fresh):
+        assert pod["kubeconfig_default"] == pod["env"]["KUBECONFIG"] == str(tmp_path / "kubeconfig")
     assert forked["argv0"] == fresh["argv0"]
     assert forked["argv0"].endswith("kinetic_prefect/pod/__main__.py")
     assert forked["session_leader"] and fresh["session_leader"]
@@ -123,8 +130,9 @@ print(json.dumps(sorted(seen)))
 """
 
 # Prefect's settings that `reload_prefect_settings` reads again in the pod (its logging
-# configuration included), and `prefect.runtime`'s overrides, read on each use.
-_REREAD = {"PREFECT_HOME", "PREFECT_PROFILE", "PREFECT_PROFILES_PATH", "HOME"}
+# configuration included), `prefect.runtime`'s overrides, read on each use, and
+# kubernetes-asyncio's default kubeconfig (`_reread_kubeconfig_location`).
+_REREAD = {"PREFECT_HOME", "PREFECT_PROFILE", "PREFECT_PROFILES_PATH", "HOME", "KUBECONFIG"}
 _REREAD_PREFIXES = ("PREFECT_LOGGING_", "PREFECT__RUNTIME__")
 
 

@@ -77,8 +77,8 @@ _STARTUP_NAMES = frozenset(
     | {"CI", "APPVEYOR", "BITBUCKET_COMMIT", "BUDDY", "BUILDKITE", "CIRCLECI", "CI_NAME"}
     | {"CODEBUILD_BUILD_ID", "DRONE", "GITHUB_ACTIONS", "GITLAB_CI", "JENKINS_URL"}
     | {"SEMAPHORE", "TEAMCITY_VERSION", "TF_BUILD", "TRAVIS"}
-    # Terminal size and colour (rich), Google API endpoints, the kubeconfig path.
-    | {"COLUMNS", "LINES", "NO_COLOR", "FORCE_COLOR", "KUBECONFIG"}
+    # Terminal size and colour (rich), Google API endpoints.
+    | {"COLUMNS", "LINES", "NO_COLOR", "FORCE_COLOR"}
     | {"API_ENDPOINT_OVERRIDE", "API_VERSION_OVERRIDE", "ENABLE_GCS_PYTHON_CLIENT_OTEL_TRACES"}
     | {"TEMPORARILY_DISABLE_PROTOBUF_VERSION_CHECK"}
 )
