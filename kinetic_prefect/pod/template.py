@@ -124,12 +124,13 @@ def _as_fresh_process(argv: list[str]) -> None:
 def _reread_kubeconfig_location() -> None:
     """kubernetes-asyncio's default kubeconfig, which it reads from `KUBECONFIG` (else
     `~/.kube/config`) on import: the pod's, not the template's (a pod's own code may call
-    `load_kube_config()` without a path). `test_a_forked_pod_sees_exactly_the_environment_a_fresh_pod_would`
-    fails if kubernetes-asyncio stops keeping it there."""
+    `load_kube_config()` without a path). The test
+    `test_a_forked_pod_sees_exactly_the_environment_a_fresh_pod_would` fails if
+    kubernetes-asyncio stops keeping it there."""
     kube_config = sys.modules.get("kubernetes_asyncio.config.kube_config")
     if kube_config is not None:
         default = os.path.join(os.path.expanduser("~"), ".kube", "config")
-        kube_config.KUBE_CONFIG_DEFAULT_LOCATION = os.environ.get("KUBECONFIG", default)
+        kube_config.__dict__["KUBE_CONFIG_DEFAULT_LOCATION"] = os.environ.get("KUBECONFIG", default)
 
 
 def main() -> None:
