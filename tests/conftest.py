@@ -39,6 +39,13 @@ from tests.support.scheduling import SuiteScheduling, slow_first
 SUITE_INTERVALS: dict[str, float] = json.loads(os.environ["KINETIC_INTERVALS"])
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if not hasattr(session.config, "workerinput"):  # once a run, before any worker starts
+        from tests.support.cache_prune import prune_environment_caches
+
+        prune_environment_caches()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under pytest-xdist, the longest cases first (tests/support/scheduling.py)."""
     if config.getvalue("dist") in ("load", "loadgroup"):

@@ -306,19 +306,31 @@ def _installed_top_levels() -> frozenset[str]:
     return frozenset(packages_distributions()) | {"kinetic_prefect"}
 
 
+# A module's file, resolved once: every attempt looks at every imported module, and
+# resolving a path costs a system call per folder (a sweep's submitting process has
+# thousands of modules).
+_RESOLVED: dict[str, Path | None] = {}
+
+
+def _resolved(file: str) -> Path | None:
+    if file not in _RESOLVED:
+        try:
+            _RESOLVED[file] = Path(file).resolve()
+        except OSError:
+            _RESOLVED[file] = None
+    return _RESOLVED[file]
+
+
 def modules_under(root: Path) -> list[ModuleType]:
     """Imported user modules whose source lives under `root` (not installed packages)."""
     installed = _installed_top_levels()
     found = []
     for name, module in list(sys.modules.items()):
+        if name.split(".")[0] in installed or name == "__main__":
+            continue
         file = getattr(module, "__file__", None)
-        if not file or name.split(".")[0] in installed or name == "__main__":
-            continue
-        try:
-            path = Path(file).resolve()
-        except OSError:
-            continue
-        if path.is_relative_to(root) and "site-packages" not in path.parts:
+        path = _resolved(file) if file else None
+        if path is not None and path.is_relative_to(root) and "site-packages" not in path.parts:
             found.append(module)
     return found
 

@@ -94,13 +94,27 @@ def pod_secret_settings() -> dict[str, str]:
     return found
 
 
+# The last settings object's env: each attempt asks, and serializing Prefect's whole
+# settings model is the costliest part of launching one.
+_LAST_SETTINGS: list[tuple[Any, frozenset[str], dict[str, str]]] = []
+
+
+def _allowed_settings_env(settings: Any, secrets: frozenset[str]) -> dict[str, str]:
+    last = _LAST_SETTINGS[0] if _LAST_SETTINGS else None
+    if last is not None and last[0] is settings and last[1] == secrets:
+        return last[2]
+    env = settings.to_environment_variables(exclude_unset=True)
+    allowed = {k: str(v) for k, v in env.items() if _allowed_env(k) and k not in secrets}
+    _LAST_SETTINGS[:] = [(settings, secrets, allowed)]
+    return allowed
+
+
 def pod_settings_env(api_url: str | None) -> dict[str, str]:
     """This process's explicitly set Prefect settings a pod needs, as env vars; no secrets."""
     from prefect.settings import get_current_settings
 
     secrets = secret_setting_paths()
-    env = get_current_settings().to_environment_variables(exclude_unset=True)
-    allowed = {k: str(v) for k, v in env.items() if _allowed_env(k) and k not in secrets}
+    allowed = dict(_allowed_settings_env(get_current_settings(), frozenset(secrets)))
     if api_url:
         allowed["PREFECT_API_URL"] = api_url
     paths = {k: list(v) for k, v in secrets.items() if v[0] in POD_SETTING_SECTIONS}

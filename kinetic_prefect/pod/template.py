@@ -1,7 +1,9 @@
 """A preloaded Python that local pods fork from (`python -m kinetic_prefect.pod.template FD`).
 
 Every pod process starts by importing Prefect, its task engine, cloudpickle and
-the pod runtime: about a second and a half of CPU before the pod does anything.
+the pod runtime: about a second and a half of CPU before the pod does anything,
+and one more for prefect-gcp and prefect-kubernetes when its task carries GCS
+result storage.
 The local backend starts this process once per pod environment instead; it
 imports all of that and then forks one child per pod it is asked for over the
 control socket `FD` (a SOCK_SEQPACKET socket, one JSON message per request).
@@ -30,8 +32,16 @@ from kinetic_prefect.pod.exit import FastExit
 # own exit handlers run first, this one last.
 fast_exit = FastExit()
 
-# What every pod imports before its task runs.
-PRELOADED = ("cloudpickle", "prefect", "prefect.task_engine", "kinetic_prefect.pod.entrypoint")
+# What every pod imports before its task runs, and kinetic-prefect's blocks: a task
+# whose results go to GCS carries a `GcsBucket` with `KineticGcpCredentials`, and
+# unpickling it imports prefect-gcp and prefect-kubernetes (about a second of CPU).
+PRELOADED = (
+    "cloudpickle",
+    "prefect",
+    "prefect.task_engine",
+    "kinetic_prefect.pod.entrypoint",
+    "kinetic_prefect.blocks",
+)
 _MAX_MESSAGE = 1 << 20
 
 
@@ -108,6 +118,19 @@ def _as_fresh_process(argv: list[str]) -> None:
     tempfile.tempdir = None
     random.seed()
     reload_prefect_settings()
+    _reread_kubeconfig_location()
+
+
+def _reread_kubeconfig_location() -> None:
+    """kubernetes-asyncio's default kubeconfig, which it reads from `KUBECONFIG` (else
+    `~/.kube/config`) on import: the pod's, not the template's (a pod's own code may call
+    `load_kube_config()` without a path). The test
+    `test_a_forked_pod_sees_exactly_the_environment_a_fresh_pod_would` fails if
+    kubernetes-asyncio stops keeping it there."""
+    kube_config = sys.modules.get("kubernetes_asyncio.config.kube_config")
+    if kube_config is not None:
+        default = os.path.join(os.path.expanduser("~"), ".kube", "config")
+        kube_config.__dict__["KUBE_CONFIG_DEFAULT_LOCATION"] = os.environ.get("KUBECONFIG", default)
 
 
 def main() -> None:

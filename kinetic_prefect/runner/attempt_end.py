@@ -89,6 +89,21 @@ def after_silent_end(
     return CONCLUDE
 
 
+def concluded_state(state: State[Any], cancelled: bool) -> State[Any]:
+    """The state a silent end concludes with (`after_silent_end` said CONCLUDE).
+
+    A pod that crashed while its task run was being cancelled, or once the lease said
+    its flow run was over, was stopped, not broken: the run ends Cancelled, as its
+    siblings cancelled a moment later do, with the pod's end in the message.
+    """
+    if cancelled and state.is_crashed():
+        return Cancelled(
+            message=f"The task run was cancelled or its flow run ended while its pod ran; "
+            f"the pod ended: {state.message or 'without a report'}"
+        )
+    return state
+
+
 def read_attempt_end(
     store: JobsStore, job_id: str, outcome: PodExit, signing_key: str
 ) -> AttemptEnd:

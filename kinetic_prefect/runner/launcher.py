@@ -66,6 +66,7 @@ from kinetic_prefect.runner.attempt_end import (
     RELAUNCH_PREEMPTED,
     RETRY,
     after_silent_end,
+    concluded_state,
     exception_or_none,
     read_attempt_end,
 )
@@ -360,9 +361,16 @@ class Launcher:
             # the API, only when a relaunch depends on it.
             recorded = prefect_bridge.recorded_run_count(launch.task_run.id)
             launch.runs_used = max(launch.runs_used, recorded)
+        # A flow run the lease marked over (its pods end themselves on SIGTERM, which
+        # looks like a preemption) is never relaunched.
+        cancelled = (
+            launch.cancelled
+            or outcome.cancelled
+            or self.resources.flow_run_ending(launch) is not None
+        )
         step = after_silent_end(
             state_type=end.state.type,
-            cancelled=launch.cancelled or outcome.cancelled,
+            cancelled=cancelled,
             preempted=outcome.preempted,
             preemptions_left=launch.preemptions_left,
             retries_left=launch.retries_left,
@@ -381,7 +389,7 @@ class Launcher:
             delay = prefect_bridge.retry_delay(launch.task, launch.runs_used)
             self.schedule_relaunch(launch, f"Retrying after a crash: {end.state.message}", delay)
         else:
-            self.conclude(launch, end.state)
+            self.conclude(launch, concluded_state(end.state, cancelled))
 
     def schedule_relaunch(
         self, launch: TaskLaunch, note: str, delay: float, recorded: bool = False

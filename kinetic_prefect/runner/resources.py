@@ -92,6 +92,13 @@ class RunnerResources:
             master = self._master_key
         return record_key.flow_run_key(master, flow_run_id)
 
+    def flow_run_ending(self, launch: TaskLaunch) -> str | None:
+        """What the runner's lease says of the launch's flow run ("cancelled", ...), or None."""
+        flow_run_id = str(launch.task_run.flow_run_id or "no-flow-run")
+        with self._lock:
+            leases = [lease for (_, run), lease in self._leases.items() if run == flow_run_id]
+        return next((lease.ending for lease in leases if lease.ending), None)
+
     def lease_env(self, launch: TaskLaunch, store: JobsStore) -> dict[str, str]:
         """What a pod needs to tell whether its flow run still has an owner (renewing it)."""
         flow_run_id = str(launch.task_run.flow_run_id or "no-flow-run")

@@ -323,8 +323,10 @@ def task_exit(
 class _Actions:
     """What `_schedule` decided under the lock, done after it is released."""
 
-    hand: list[tuple[WarmPod, Placement]] = field(default_factory=list)
-    batches: list[WarmPod] = field(default_factory=list)  # their `queued`, to write
+    # Each with the assignment number it was given: read again later, the number could be
+    # that of a later decision (the pod then waits for one never written).
+    hand: list[tuple[WarmPod, int, Placement]] = field(default_factory=list)
+    batches: list[tuple[WarmPod, int, list[Placement]]] = field(default_factory=list)
     start: list[tuple[WarmPod, Placement]] = field(default_factory=list)
     retire: list[WarmPod] = field(default_factory=list)
 
@@ -452,7 +454,7 @@ class WarmPods:
                     pod.accepted = False
                     pod.idle_since = None
                     self._busy(pod, placement, now)
-                    actions.hand.append((pod, placement))
+                    actions.hand.append((pod, pod.current, placement))
             # Then a new pod where there is room, or in place of an idle pod nobody wants.
             for placement in list(self._waiting):
                 if not self._may_grow(placement):
@@ -492,16 +494,16 @@ class WarmPods:
                 pod.sequence += 1
                 for queued in pod.queued:
                     self._waiting.remove(queued)
-                actions.batches.append(pod)
+                actions.batches.append((pod, pod.sequence, list(pod.queued)))
             actions.retire.extend(self._make_room_for_waiting_pods())
         for victim in actions.retire:
             self._retire(victim)
         for pod, placement in actions.start:
             self._start(pod, placement)
-        for pod, placement in actions.hand:
-            self._hand(pod, placement)
-        for pod in actions.batches:
-            self._hand_batch(pod)
+        for pod, sequence, placement in actions.hand:
+            self._send(pod, sequence, [placement], queued=False)
+        for pod, sequence, batch in actions.batches:
+            self._send(pod, sequence, batch, queued=True)
 
     def _may_grow(self, placement: Placement) -> bool:
         """Whether a new pod of the placement's spec may start now (the module docstring)."""
@@ -608,20 +610,10 @@ class WarmPods:
         self._watch()
         self._schedule()  # what waits for it may be handed to it now
 
-    def _hand(self, pod: WarmPod, placement: Placement) -> None:
-        """Hand an idle pod its next task."""
-        with self._lock:
-            sequence = pod.current
-        self._send(pod, sequence, [placement], queued=False)
-
-    def _hand_batch(self, pod: WarmPod) -> None:
-        """Hand a busy pod the tasks queued on it, to take as it ends its task."""
-        with self._lock:
-            sequence, batch = pod.sequence, list(pod.queued)
-        self._send(pod, sequence, batch, queued=True)
-
     def _send(self, pod: WarmPod, sequence: int, placements: list[Placement], queued: bool) -> None:
-        """Write `assign-{sequence}.json` with the placements not cancelled meanwhile."""
+        """Write `assign-{sequence}.json` with the placements not cancelled meanwhile: an idle
+        pod's next task (`queued` False), or the tasks queued on a busy pod to take as it ends
+        its task."""
         claimed = [p for p in placements if self._claim(p, pod.manifest)]
         if len(claimed) < len(placements):
             with self._lock:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import concurrent.futures
 import importlib
 import io
-import sys
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +25,7 @@ from kinetic_prefect.launch.packaging import (
 from tests.emulated.test_results_and_retries import cube
 from tests.support.clusters import gcs_cluster
 from tests.support.gcs import FaultInjectingProxy
+from tests.support.modules import import_fresh
 
 pytestmark = pytest.mark.usefixtures("workdir")
 
@@ -51,16 +51,15 @@ def gcs_endpoint(recording_proxy: FaultInjectingProxy) -> str:
 
 
 @pytest.fixture
-def demo_project(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+def demo_project(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """The shape `make demo` runs in: a project whose `.prefect/` holds SQLite files."""
     (workdir / "pyproject.toml").write_text("[project]\nname = 'demo'\n")
     (workdir / ".prefect").mkdir()
     (workdir / ".prefect" / "prefect.db").write_bytes(b"SQLite format 3\x00" + bytes(64))
     (workdir / ".prefect" / "prefect.db-wal").write_bytes(bytes(64))
     (workdir / "demo_tasks.py").write_text(DEMO_TASKS)
-    monkeypatch.syspath_prepend(str(workdir))
-    yield workdir
-    sys.modules.pop("demo_tasks", None)
+    import_fresh(workdir, "demo_tasks", monkeypatch)
+    return workdir
 
 
 def _archive(tmp_path: Path) -> CodeArchive:

@@ -130,7 +130,10 @@ def test_a_serialized_block_of_an_unregistered_type_is_left_to_prefect():
 
 
 @pytest.mark.usefixtures("prefect_api", "workdir")
-def test_a_pod_with_default_result_storage_imports_no_collection():
+def test_a_pod_with_default_result_storage_imports_no_collection(monkeypatch: pytest.MonkeyPatch):
+    # A cold pod, as on GKE: a forked one has the template's preloaded modules.
+    monkeypatch.setenv("KINETIC_LOCAL_TEMPLATE", "0")
+
     @flow(task_runner=KineticTaskRunner())
     def probe() -> list[str]:
         return heavy_modules_in_this_process.submit().result()

@@ -70,6 +70,37 @@ def _positions(task_run_ids: list[object]) -> dict[object, list[int]]:
     }
 
 
+def _waiting_for_quota(positions: dict[object, list[int]]) -> list[object]:
+    """The task runs that showed a queue position and, in a state message, Kueue's reason."""
+    return [
+        run
+        for run, shown in positions.items()
+        if shown and any(NO_QUOTA in m for m in _messages(run))
+    ]
+
+
+def _finished(obj: dict[str, Any]) -> bool:
+    """A Job with its Complete or Failed condition, or a Workload with its Finished one."""
+    return any(
+        c.get("type") in {"Complete", "Failed", "Finished"} and c.get("status") == "True"
+        for c in (obj.get("status") or {}).get("conditions") or []
+    )
+
+
+def _summary(obj: dict[str, Any]) -> dict[str, Any]:
+    """What says why a Job or Workload is still there."""
+    meta = obj["metadata"]
+    return {
+        "kind": obj.get("kind"),
+        "name": meta["name"],
+        "deletion": meta.get("deletionTimestamp"),
+        "finalizers": meta.get("finalizers"),
+        "owners": [o.get("name") for o in meta.get("ownerReferences") or []],
+        "suspend": (obj.get("spec") or {}).get("suspend"),
+        "status": obj.get("status"),
+    }
+
+
 def _admitted_at_once(cluster: KubeCluster) -> int:
     """From the cluster's Job events: the most Jobs unsuspended and not finished at once."""
     admitted: set[str] = set()
@@ -79,11 +110,7 @@ def _admitted_at_once(cluster: KubeCluster) -> int:
             continue
         job = event["object"]
         name = job["metadata"]["name"]
-        finished = any(
-            c["type"] in {"Complete", "Failed"} and c["status"] == "True"
-            for c in (job.get("status") or {}).get("conditions") or []
-        )
-        if event["type"] == "DELETED" or finished or job["spec"].get("suspend"):
+        if event["type"] == "DELETED" or _finished(job) or job["spec"].get("suspend"):
             admitted.discard(name)
         else:
             admitted.add(name)
@@ -104,11 +131,13 @@ def test_an_eight_task_map_waits_in_the_queue_and_runs_four_at_a_time(gke, clust
     def sweep() -> tuple[list[int], dict[object, list[int]]]:
         futures = hold.map(range(8), gate=unmapped(str(gate)))
         runs = [f.task_run_id for f in futures]
-        # Four run at the gate; the other four wait in the queue and say where.
+        # Four run at the gate; the other four wait in the queue and say where and why.
+        # The gate stays shut until they have: opened earlier, a run read in the queue
+        # before Kueue wrote its reason could be admitted before the next read.
         shown = wait_until(
-            lambda: (p := _positions(runs)) and sum(1 for v in p.values() if v) >= 4 and p,
+            lambda: (p := _positions(runs)) and len(_waiting_for_quota(p)) >= 4 and p,
             90,
-            "4 task runs to show their queue position",
+            "4 task runs to show their queue position and Kueue's reason",
         )
         gate.touch()
         return [f.result() for f in futures], shown
@@ -125,11 +154,11 @@ def test_an_eight_task_map_waits_in_the_queue_and_runs_four_at_a_time(gke, clust
     queued = [run for run, p in shown.items() if p]
     assert len(queued) >= 4
     assert all(1 <= position <= 8 for run in queued for position in shown[run])
-    assert sum(any(NO_QUOTA in m for m in _messages(run)) for run in queued) >= 4
+    assert len(_waiting_for_quota(shown)) >= 4
 
 
 @pytest.mark.slow
-def test_a_flow_cancelled_while_jobs_are_queued_leaves_no_suspended_job_or_workload(
+def test_a_flow_cancelled_while_jobs_are_queued_leaves_no_suspended_job_or_waiting_workload(
     gke, cluster, workdir
 ):
     _tpu_v5e_4_cluster(cluster)
@@ -152,11 +181,16 @@ def test_a_flow_cancelled_while_jobs_are_queued_leaves_no_suspended_job_or_workl
     leave.touch()
     runs = running.result(timeout=120)
 
+    # Deleted, or (a pod that ended itself once the lease said the flow run was over,
+    # before the runner's delete) finished and left to ttlSecondsAfterFinished as
+    # docs/kubernetes.md says, with its Workload Finished.
     wait_until(
-        lambda: cluster.jobs() == [] and cluster.workloads() == [],
+        lambda: all(_finished(o) for o in cluster.jobs() + cluster.workloads()),
         60,
-        "every Job and Workload to be deleted",
+        "every Job and Workload to be deleted or finished",
+        left=lambda: [_summary(o) for o in cluster.jobs() + cluster.workloads()],
     )
+    assert _suspended(cluster) == 0
     with get_client(sync_client=True) as client:
         states = [client.read_task_run(run).state for run in runs]  # type: ignore[arg-type]
     assert [s.type.value for s in states] == ["CANCELLED"] * 6  # type: ignore[union-attr]

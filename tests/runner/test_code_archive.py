@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-import sys
 import uuid
 import zipfile
 from collections.abc import Iterator
@@ -14,6 +12,7 @@ from prefect import flow
 
 from kinetic_prefect import KineticTaskRunner
 from kinetic_prefect.errors import PayloadError
+from tests.support.modules import import_fresh
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
@@ -29,9 +28,7 @@ def shout(word: str) -> str:
 
 def _import_task(directory: Path, module: str, monkeypatch: pytest.MonkeyPatch) -> object:
     (directory / f"{module}.py").write_text(TASKS)
-    monkeypatch.syspath_prepend(str(directory))
-    monkeypatch.delitem(sys.modules, module, raising=False)
-    return importlib.import_module(module).shout
+    return import_fresh(directory, module, monkeypatch).shout
 
 
 def _store_files(workdir: Path) -> list[Path]:

@@ -19,6 +19,7 @@ from prefect.utilities.annotations import allow_failure, quote, unmapped
 from kinetic_prefect import KineticTaskRunner, resources
 from kinetic_prefect.errors import PayloadError, PodPhaseError
 from kinetic_prefect.launch.accelerators import UnknownAcceleratorError
+from tests.support.modules import import_fresh
 from tests.support.waiting import task_run_state, wait_for_task_run_state, wait_until
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
@@ -162,8 +163,7 @@ def test_remote_traceback_shows_the_source_line_when_only_the_pod_has_the_file(
     project.mkdir()
     (project / "pyproject.toml").write_text("[project]\nname = 'project'\n")
     (project / "project_tasks.py").write_text(PROJECT_TASKS)
-    monkeypatch.syspath_prepend(str(project))
-    from project_tasks import explode_once_opened  # type: ignore[import-not-found]
+    explode_once_opened = import_fresh(project, "project_tasks", monkeypatch).explode_once_opened
 
     gate, started = workdir / "gate", workdir / "started"
 

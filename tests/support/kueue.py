@@ -120,6 +120,8 @@ class Kueue:
             base_url=base_url, headers={"User-Agent": KUEUE_AGENT}
         )
         admitting = asyncio.get_running_loop().create_task(self._admit_forever())
+        # A failure that ends admission must fail the test, not leave Jobs queued for good.
+        admitting.add_done_callback(self._done)
         try:
             async for batch in self.emulator.event_batches():
                 for _, resource, event in batch:
@@ -369,7 +371,8 @@ class Kueue:
         except RuntimeError:
             # Deleted while it was being admitted (kmock answers a PATCH of an object being
             # deleted with a 500): its quota goes back, as for any deleted Job.
-            if self.emulator.find(JOBS, workload.namespace, workload.job_name) is not None:
+            found = self.emulator.find(JOBS, workload.namespace, workload.job_name)
+            if found is not None and not found["metadata"].get("deletionTimestamp"):
                 raise
             workload.done, workload.usage = True, {}
             self._changed.set()

@@ -9,8 +9,16 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-def wait_until(probe: Callable[[], T | None], timeout: float = 30.0, what: str = "condition") -> T:
-    """Call `probe` until it returns a truthy value; fail after `timeout` seconds."""
+def wait_until(
+    probe: Callable[[], T | None],
+    timeout: float = 30.0,
+    what: str = "condition",
+    left: Callable[[], object] | None = None,
+) -> T:
+    """Call `probe` until it returns a truthy value; fail after `timeout` seconds.
+
+    `left`, if given, says what was still in the way; the failure shows it.
+    """
     deadline = time.monotonic() + timeout
     delay = 0.01
     while True:
@@ -18,7 +26,8 @@ def wait_until(probe: Callable[[], T | None], timeout: float = 30.0, what: str =
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"Timed out after {timeout}s waiting for {what}")
+            shown = f": {left()!r}" if left is not None else ""
+            raise AssertionError(f"Timed out after {timeout}s waiting for {what}{shown}")
         time.sleep(delay)
         delay = min(delay * 2, 0.25)
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import pytest
 from prefect.client.schemas.objects import StateType
+from prefect.states import Cancelled, Completed, Crashed, Failed, State
 
 from kinetic_prefect.runner.attempt_end import (
     CONCLUDE,
     RELAUNCH_PREEMPTED,
     RETRY,
     after_silent_end,
+    concluded_state,
 )
 
 CRASHED, CANCELLED, COMPLETED, FAILED = (
@@ -77,3 +79,24 @@ def test_after_a_pod_that_left_no_report(
         )
         == step
     )
+
+
+# (the state a silent end concluded, cancelled or its flow run marked over) -> what the run ends as
+CONCLUDED = [
+    pytest.param(Crashed(message="exit 143"), True, CANCELLED, id="stopped while being cancelled"),
+    pytest.param(Crashed(message="exit 1"), False, CRASHED, id="a crash on its own stands"),
+    pytest.param(Completed(), True, COMPLETED, id="a Completed state stands"),
+    pytest.param(Failed(message="boom"), True, FAILED, id="a Failed state stands"),
+    pytest.param(Cancelled(message="by the API"), True, CANCELLED, id="a Cancelled state stands"),
+]
+
+
+@pytest.mark.parametrize(("state", "cancelled", "expected"), CONCLUDED)
+def test_a_silent_end_while_cancelling_concludes_cancelled(
+    state: State[object], cancelled: bool, expected: StateType
+) -> None:
+    concluded = concluded_state(state, cancelled)
+
+    assert concluded.type == expected
+    if expected != state.type:
+        assert state.message is not None and state.message in (concluded.message or "")

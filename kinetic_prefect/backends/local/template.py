@@ -56,6 +56,20 @@ _STARTUP_PREFIXES = (
     "FSSPEC_",
     "PENDULUM_",
     "GRIFFE_",
+    # The libraries of prefect-gcp and prefect-kubernetes (kinetic_prefect.blocks).
+    "AIOHTTP_",
+    "FROZENLIST_",
+    "MULTIDICT_",
+    "PROPCACHE_",
+    "YARL_",
+    "TORNADO_",
+    "CLOUDSDK_",
+    "GOOGLE_API_",
+    "GRPC_",
+    "HTTPLIB2_",
+    "PROTOCOL_BUFFERS_",
+    "PYPARSING",
+    "TTY_",
 )
 _STARTUP_NAMES = frozenset(
     {"PATH", "LANG", "LANGUAGE", "TZ", "TMPDIR", "DO_NOT_TRACK"}
@@ -63,6 +77,10 @@ _STARTUP_NAMES = frozenset(
     | {"CI", "APPVEYOR", "BITBUCKET_COMMIT", "BUDDY", "BUILDKITE", "CIRCLECI", "CI_NAME"}
     | {"CODEBUILD_BUILD_ID", "DRONE", "GITHUB_ACTIONS", "GITLAB_CI", "JENKINS_URL"}
     | {"SEMAPHORE", "TEAMCITY_VERSION", "TF_BUILD", "TRAVIS"}
+    # Terminal size and colour (rich), Google API endpoints.
+    | {"COLUMNS", "LINES", "NO_COLOR", "FORCE_COLOR"}
+    | {"API_ENDPOINT_OVERRIDE", "API_VERSION_OVERRIDE", "ENABLE_GCS_PYTHON_CLIENT_OTEL_TRACES"}
+    | {"TEMPORARILY_DISABLE_PROTOBUF_VERSION_CHECK"}
 )
 # Prefect settings Prefect reads on import and does not read again with the rest.
 _STARTUP_PREFECT = ("TEST_MODE", "PREFECT_PLUGINS_")
