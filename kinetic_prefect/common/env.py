@@ -24,6 +24,10 @@ CLIENT_VERSIONS_ENV = "KINETIC_CLIENT_VERSIONS"
 # -- secrets (delivered through the pod's Kubernetes Secret) -------------------------
 # The key that signs the pod's final-state records.
 SIGNING_KEY_ENV = "KINETIC_RECORD_KEY"
+# The key that signs the markers of environments unpacked in a node's cache. Unlike the
+# record key it is the same for every flow run of one master key, so the next flow run's
+# pods trust (after re-verifying) what an earlier one unpacked.
+NODE_CACHE_KEY_ENV = "KINETIC_NODE_CACHE_KEY"
 # Env var -> path in Prefect's settings, for the secret settings delivered as env vars.
 SECRET_SETTING_PATHS_ENV = "KINETIC_SECRET_SETTING_PATHS"
 

@@ -63,6 +63,8 @@ from pathlib import Path
 ENV_CACHE_ENV = "KINETIC_ENV_CACHE"
 SHIPPED_ENV_ENV = "KINETIC_SHIPPED_ENVIRONMENT"
 SIGNING_KEY_ENV = "KINETIC_RECORD_KEY"
+NODE_CACHE_KEY_ENV = "KINETIC_NODE_CACHE_KEY"
+NODE_CACHE_KEY_MESSAGE = b"kinetic-prefect node cache key"
 FINAL_STATE_JSON = "final-state.json"
 STATUS_PHASE_FAILED = "phase-failed"
 PHASE = "environment"
@@ -579,8 +581,26 @@ def stat_table(directory: Path) -> dict[str, list[int]]:
     return table
 
 
+def node_cache_key(master: str) -> str:
+    """The node-cache key of a master record key (`kinetic_prefect.runner.record_key`)."""
+    return hmac.new(master.encode(), NODE_CACHE_KEY_MESSAGE, hashlib.sha256).hexdigest()
+
+
+def _node_cache_key() -> str | None:
+    """The key of this pod's node-cache markers.
+
+    A task pod is given it (`KINETIC_NODE_CACHE_KEY`); a flow pod holds the master record
+    key itself and derives it, as its runner does for the task pods it launches.
+    """
+    given = os.environ.get(NODE_CACHE_KEY_ENV)
+    if given:
+        return given
+    master = os.environ.get(SIGNING_KEY_ENV)
+    return node_cache_key(master) if master else None
+
+
 def _marker_signature(sha256: str, files: dict[str, list[int]]) -> str | None:
-    key = os.environ.get(SIGNING_KEY_ENV)
+    key = _node_cache_key()
     if not key:
         return None
     signed = sha256.encode() + b":" + json.dumps(files, sort_keys=True).encode()
@@ -618,7 +638,7 @@ def cached_copy_problem(target: Path, sha256: str) -> str | None:
         return "its marker has no table of the unpacked files"
     expected = _marker_signature(sha256, files)
     if expected is not None and not hmac.compare_digest(expected, str(marker.get("signature"))):
-        return "its marker is not signed with this runner's record key"
+        return "its marker is not signed with this runner's node-cache key"
     found = stat_table(target)
     added = sorted(found.keys() - files.keys())
     if added:

@@ -39,7 +39,12 @@ from prefect.states import Cancelled, Failed, Pending, State
 from kinetic_prefect.backends.base import Backend, PodExit, pending_message
 from kinetic_prefect.backends.environments import ready_environment
 from kinetic_prefect.common import layout, versions
-from kinetic_prefect.common.env import ATTEMPT_ENV, CLIENT_VERSIONS_ENV, SIGNING_KEY_ENV
+from kinetic_prefect.common.env import (
+    ATTEMPT_ENV,
+    CLIENT_VERSIONS_ENV,
+    NODE_CACHE_KEY_ENV,
+    SIGNING_KEY_ENV,
+)
 from kinetic_prefect.common.handover import INLINE_PAYLOAD_BYTES
 from kinetic_prefect.common.storage import JobsStore, open_store
 from kinetic_prefect.data import data
@@ -272,13 +277,14 @@ class Launcher:
         return payload.data, payload.sha256
 
     def _pod_secrets(self, launch: TaskLaunch) -> PodSecrets:
-        """Prefect's secret settings, the user's secret env and the record key: one Secret."""
+        """Prefect's secret settings, the user's secret env and the keys: one Secret."""
         _, user_secrets = split_env(launch.settings.env)
         return PodSecrets(
             {
                 **prefect_context.secret_values(),
                 **user_secrets,
                 SIGNING_KEY_ENV: self.resources.signing_key(launch),
+                NODE_CACHE_KEY_ENV: self.resources.node_cache_key(),
             }
         )
 

@@ -10,6 +10,11 @@ flow run the same value, e.g. from a secret store), else a random key created
 once in `{PREFECT_HOME}/kinetic-record-key` with 0600 permissions. It never
 leaves the orchestrator: pods get only their flow run's derived key, through
 their Secret.
+
+The node-cache key signs the markers of environments a pod unpacks into its node's
+cache. It is derived from the master key alone, so every flow run of one master key
+reuses (after re-verifying it) what another unpacked; a flow pod, which holds the master
+key, derives it in its bootstrap (`kinetic_prefect.pod.bootstrap.node_cache_key`).
 """
 
 from __future__ import annotations
@@ -68,4 +73,13 @@ def master_key() -> str:
 def flow_run_key(master: str, flow_run_id: str) -> str:
     """The signing key of one flow run's records, derived from the master key."""
     message = f"kinetic-prefect record key/{flow_run_id}".encode()
+    return hmac.new(master.encode(), message, hashlib.sha256).hexdigest()
+
+
+def node_cache_key(master: str) -> str:
+    """The key of node-cache markers: one per master key, whatever the flow run.
+
+    Written again in the standard-library bootstrap, which a unit test keeps equal.
+    """
+    message = b"kinetic-prefect node cache key"
     return hmac.new(master.encode(), message, hashlib.sha256).hexdigest()

@@ -86,11 +86,17 @@ class RunnerResources:
 
     def flow_run_key(self, flow_run_id: str) -> str:
         """The record key of any flow run (a cached result may come from another one)."""
+        return record_key.flow_run_key(self._master(), flow_run_id)
+
+    def node_cache_key(self) -> str:
+        """The key of the markers pods leave on the environments they unpack on a node."""
+        return record_key.node_cache_key(self._master())
+
+    def _master(self) -> str:
         with self._lock:
             if self._master_key is None:
                 self._master_key = record_key.master_key()
-            master = self._master_key
-        return record_key.flow_run_key(master, flow_run_id)
+            return self._master_key
 
     def flow_run_ending(self, launch: TaskLaunch) -> str | None:
         """What the runner's lease says of the launch's flow run ("cancelled", ...), or None."""

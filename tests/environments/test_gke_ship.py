@@ -26,6 +26,7 @@ from kinetic_prefect.launch.manifest import (
     UNPACK_CONTAINER_NAME,
     node_cache_path,
 )
+from kinetic_prefect.pod import bootstrap
 from tests.support.clusters import SHIPPED_REQUIREMENTS
 from tests.support.kube import NAMESPACE
 from tests.support.kube_admission import AUTOPILOT
@@ -268,3 +269,25 @@ def test_where_hostpath_is_admitted_the_task_reads_the_node_cache_read_only(
     assert [v["hostPath"]["path"] for v in _env_cache_volumes(cluster)] == [
         node_cache_path(NAMESPACE, pod_spec.get("serviceAccountName"))
     ]
+
+
+def test_the_next_flow_run_reuses_the_environment_an_earlier_one_unpacked_on_the_node(
+    gke: str, cluster: KubeCluster, tmp_path: Path
+) -> None:
+    # A node of this test's own, so no other case's pods touch its cache meanwhile.
+    cluster.kubelet.local.node_root = tmp_path / "node"
+
+    @flow(task_runner=_runner(gke))
+    def once(x: int) -> int:
+        return squared.submit(x).result()
+
+    def unpacked() -> dict[Path, tuple[int, int]]:
+        markers = (tmp_path / "node").rglob(bootstrap.UNPACKED_MARKER)
+        return {m.parent: (m.parent.stat().st_ino, m.stat().st_ino) for m in markers}
+
+    assert once(3) == 9
+    first = unpacked()
+    assert once(5) == 25  # another flow run: its pods hold another record key
+
+    assert len(first) == 1
+    assert unpacked() == first  # neither unpacked again nor its marker rewritten

@@ -22,6 +22,7 @@ from kinetic_prefect.launch.manifest import (
     without_node_cache,
 )
 from kinetic_prefect.pod import bootstrap
+from kinetic_prefect.runner import record_key
 from tests.support.kube_admission import pod_security_refusal, warden_refusal
 from tests.unit.test_manifest import _spec
 
@@ -249,7 +250,22 @@ def test_a_marker_rewritten_without_the_record_key_is_refused(
     (node_copy / bootstrap.UNPACKED_MARKER).write_text(json.dumps(forged))
 
     assert bootstrap.cached_copy_problem(node_copy, sha256) == (
-        "its marker is not signed with this runner's record key"
+        "its marker is not signed with this runner's node-cache key"
+    )
+
+
+def test_a_copy_unpacked_in_one_flow_run_is_trusted_in_the_next_and_refused_under_another_master(
+    archive: tuple[Path, str], node_copy: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # node_copy was unpacked by a flow pod, which holds the master key "record-key".
+    _, sha256 = archive
+    monkeypatch.setenv(bootstrap.SIGNING_KEY_ENV, record_key.flow_run_key("record-key", "run-2"))
+    monkeypatch.setenv(bootstrap.NODE_CACHE_KEY_ENV, record_key.node_cache_key("record-key"))
+    assert bootstrap.cached_copy_problem(node_copy, sha256) is None
+
+    monkeypatch.setenv(bootstrap.NODE_CACHE_KEY_ENV, record_key.node_cache_key("another"))
+    assert bootstrap.cached_copy_problem(node_copy, sha256) == (
+        "its marker is not signed with this runner's node-cache key"
     )
 
 

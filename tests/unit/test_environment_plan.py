@@ -15,6 +15,7 @@ from kinetic_prefect.launch import environment
 from kinetic_prefect.launch.accelerators import parse_accelerator
 from kinetic_prefect.launch.settings import LaunchSettings, resolve_settings
 from kinetic_prefect.pod import bootstrap, runner
+from kinetic_prefect.runner import record_key
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,6 +25,8 @@ def test_the_bootstrap_speaks_the_contract_the_package_writes() -> None:
     assert bootstrap.ENV_CACHE_ENV == common_env.ENV_CACHE_ENV
     assert bootstrap.SHIPPED_ENV_ENV == common_env.SHIPPED_ENV_ENV
     assert bootstrap.SIGNING_KEY_ENV == common_env.SIGNING_KEY_ENV
+    assert bootstrap.NODE_CACHE_KEY_ENV == common_env.NODE_CACHE_KEY_ENV
+    assert bootstrap.node_cache_key("master") == record_key.node_cache_key("master")
     assert bootstrap.NODE_CACHE_MAX_GB_ENV == common_env.NODE_CACHE_MAX_GB_ENV
     assert bootstrap.INTERVALS_ENV == common_env.INTERVALS_ENV
     assert bootstrap.METADATA_HOST_ENVS == common_env.METADATA_HOST_ENVS
