@@ -221,6 +221,12 @@ class KineticCluster(Block):
         description="Where a new environment is built: a builder Job in the cluster, or "
         "this machine (for clusters without a route to a package index).",
     )
+    builder_service_account: str | None = Field(
+        default=None,
+        description="The Kubernetes service account builder Jobs run as (default "
+        "kinetic-prefect-runner, the flow pods'): it writes environment_store, which task "
+        "pods only read.",
+    )
     package_index_url: str | None = Field(
         default=None, description="The package index environments are built from (a mirror)."
     )
@@ -303,6 +309,7 @@ def cluster_settings(cluster: KineticCluster) -> dict[str, Any]:
         "environment": cluster.environment,
         "requirements": cluster.requirements,
         "environment_builder": cluster.environment_builder,
+        "builder_service_account": cluster.builder_service_account,
         "package_index_url": cluster.package_index_url,
         "environment_store": cluster.environment_store,
         "accelerator_extras": cluster.accelerator_extras,

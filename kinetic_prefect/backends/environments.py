@@ -62,7 +62,8 @@ def cluster_builder(settings: LaunchSettings, backend: Backend) -> ClusterBuilde
             env=env,
             ttl_seconds_after_finished=settings.ttl_seconds_after_finished,
             intervals=settings.intervals,
-            service_account=settings.service_account,
+            # Not the task pods' account: only a builder writes the environment store.
+            service_account=settings.builder_service_account,
             command=tuple(builder_command(spec_uri, destination)),
             # The task's tolerations, pull secrets, ... apply to its builder too; its cpu
             # and memory do not (a builder is a cpu pod).

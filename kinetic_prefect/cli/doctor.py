@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kinetic_prefect.common.gcs import (
+    ENVIRONMENT_STORE_READ_PERMISSIONS,
     JOBS_BUCKET_PERMISSIONS,
     RESULTS_BUCKET_READ_PERMISSIONS,
     RESULTS_BUCKET_WRITE_PERMISSIONS,
@@ -329,8 +330,8 @@ def pods_wanted_permissions(cluster: Any, settings: Any) -> dict[str, list[str]]
         wanted.setdefault(storage.bucket, set()).update(RESULTS_BUCKET_WRITE_PERMISSIONS)
     store = settings.resolved_environment_store()
     if settings.ships_environment() and store.startswith("gs://"):
-        # Pods read their environment; a builder Job, as the same account, writes it.
-        wanted.setdefault(split_gs_uri(store)[0], set()).update(JOBS_BUCKET_PERMISSIONS)
+        # Pods only read their environment; builder Jobs (another account) write it.
+        wanted.setdefault(split_gs_uri(store)[0], set()).update(ENVIRONMENT_STORE_READ_PERMISSIONS)
     return {bucket: sorted(permissions) for bucket, permissions in wanted.items()}
 
 

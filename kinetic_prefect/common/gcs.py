@@ -132,16 +132,29 @@ def split_gs_uri(uri: str) -> tuple[str, str]:
     return bucket, prefix.strip("/")
 
 
-def role_holding(permission: str) -> str:
-    """The role the docs grant for `permission`: bucket metadata or objects."""
+# What task pods do on the environment store: read archives, manifests and markers.
+ENVIRONMENT_STORE_READ_PERMISSIONS = ("storage.objects.get",)
+# Reading and listing objects, all that roles/storage.objectViewer holds of them.
+_VIEWER_PERMISSIONS = frozenset({"storage.objects.get", "storage.objects.list"})
+
+
+def role_holding(permission: str, read_only: bool = False) -> str:
+    """The role the docs grant for `permission`: bucket metadata, or objects.
+
+    `read_only`: the identity only reads the bucket's objects (task pods on the
+    environment store), so the role is objectViewer where it holds the permission.
+    """
     if permission == "storage.buckets.get":
         return "roles/storage.legacyBucketReader"
+    if read_only and permission in _VIEWER_PERMISSIONS:
+        return "roles/storage.objectViewer"
     return "roles/storage.objectAdmin"
 
 
 def grant_hint(bucket: str, permissions: list[str], member: str | None = None) -> str:
     """The gcloud commands that grant `permissions` on `bucket` to `member` (else MEMBER)."""
-    roles = sorted({role_holding(p) for p in permissions})
+    read_only = _VIEWER_PERMISSIONS.issuperset(permissions)
+    roles = sorted({role_holding(p, read_only) for p in permissions})
     commands = "; ".join(
         f"gcloud storage buckets add-iam-policy-binding gs://{bucket} "
         f"--member={member or 'MEMBER'} --role={role}"

@@ -85,6 +85,10 @@ class LaunchSettings:
     requirements: tuple[str, ...] | str | None = None
     # Where a new environment is built: a builder Job on the cluster, or this machine.
     environment_builder: str = "cluster"
+    # gke: the account a builder Job runs as. It writes the environment store, which the
+    # task pods' account (`service_account`) only reads: the account of flow pods by default
+    # (deployments/k8s/rbac.yaml), which ships environments for its tasks anyway.
+    builder_service_account: str = "kinetic-prefect-runner"
     # The package index the environment is resolved and installed from (a mirror).
     package_index_url: str | None = None
     # What the accelerator adds (default: jax's TPU or CUDA parts); [] adds nothing.
@@ -179,6 +183,7 @@ _ENV_PARSERS: dict[str, Any] = {
     # A requirements file's path.
     "requirements": str,
     "environment_builder": str,
+    "builder_service_account": str,
     "package_index_url": str,
     "environment_store": str,
     "accelerator_extras": lambda v: tuple(p.strip() for p in v.split(",") if p.strip()),

@@ -392,3 +392,43 @@ def test_a_denied_result_cache_lookup_names_the_permission_instead_of_running_ag
     assert f"GCS denied storage.objects.get on the result bucket gs://{results.bucket}" in message
     assert f"--role={OBJECT_ADMIN}" in message
     assert len(cluster.created_jobs()) == 1
+
+
+@task
+def plant_in(bucket: str) -> int:
+    """Try to write an object into `bucket` as this pod: the HTTP status GCS answers."""
+    import os
+    import urllib.error
+    import urllib.request
+
+    host = os.environ["STORAGE_EMULATOR_HOST"].rstrip("/")
+    request = urllib.request.Request(
+        f"{host}/upload/storage/v1/b/{bucket}/o?uploadType=media&name=env-cache/planted",
+        data=b"import os\n",
+        headers={"Content-Type": "application/octet-stream"},
+    )
+    try:
+        with urllib.request.urlopen(request) as response:
+            return response.status
+    except urllib.error.HTTPError as refused:
+        return refused.code
+
+
+def test_a_task_pod_may_read_its_environment_but_not_write_the_environment_store(
+    gke, cluster, gcs, tmp_path
+):
+    # A node of its own: the pod downloads its environment rather than finding it unpacked.
+    cluster.kubelet.local.node_root = tmp_path / "node"
+
+    @flow(task_runner=KineticTaskRunner(cluster=gke, allow_loopback_api=True))
+    def plant() -> int:
+        return plant_in.submit(ENVIRONMENTS_BUCKET).result()
+
+    assert plant() == 403
+    pods = PODS_MEMBER.partition(":")[2]
+    assert (pods, "storage.objects.create", ENVIRONMENTS_BUCKET) in gcs.iam.denials
+    # It did read its environment from there, as that account.
+    assert any(
+        member == PODS_MEMBER and f"/b/{ENVIRONMENTS_BUCKET}/o/" in path and method == "GET"
+        for member, method, path in gcs.iam.requests
+    )
