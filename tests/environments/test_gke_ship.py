@@ -271,11 +271,18 @@ def test_where_hostpath_is_admitted_the_task_reads_the_node_cache_read_only(
     ]
 
 
-def test_the_next_flow_run_reuses_the_environment_an_earlier_one_unpacked_on_the_node(
+def test_the_next_flow_run_reuses_the_environment_an_earlier_one_unpacked_and_stale_ones_go(
     gke: str, cluster: KubeCluster, tmp_path: Path
 ) -> None:
     # A node of this test's own, so no other case's pods touch its cache meanwhile.
     cluster.kubelet.local.node_root = tmp_path / "node"
+    # An environment an earlier pod left there: 100 GB (a sparse file), past the 20 GB cap.
+    cache = tmp_path / "node" / node_cache_path(NAMESPACE, "kinetic-prefect-pods").lstrip("/")
+    stale = cache / ("0" * 64)
+    stale.mkdir(parents=True)
+    with open(stale / "weights.bin", "wb") as weights:
+        weights.truncate(100 * 10**9)
+    (stale / bootstrap.UNPACKED_MARKER).write_text("{}")
 
     @flow(task_runner=_runner(gke))
     def once(x: int) -> int:
@@ -289,5 +296,6 @@ def test_the_next_flow_run_reuses_the_environment_an_earlier_one_unpacked_on_the
     first = unpacked()
     assert once(5) == 25  # another flow run: its pods hold another record key
 
-    assert len(first) == 1
+    assert len(first) == 1 and stale not in first
     assert unpacked() == first  # neither unpacked again nor its marker rewritten
+    assert not stale.exists()  # pruned by the first pod's init container
