@@ -25,6 +25,7 @@ from kinetic_prefect.common.gcs import (
     RESULTS_BUCKET_WRITE_PERMISSIONS,
     grant_hint,
     split_gs_uri,
+    viewer_enough,
 )
 from kinetic_prefect.errors import ConfigurationError
 from kinetic_prefect.launch.preflight import (
@@ -419,7 +420,8 @@ def _pods_bucket_verdict(account: str, wanted: dict[str, list[str]], answer: Any
         if missing:
             problems.append(
                 f"lack {', '.join(missing)} on gs://{bucket}. "
-                + grant_hint(bucket, missing, member)
+                # Where the pods only read (the environment store), the docs grant a viewer.
+                + grant_hint(bucket, missing, member, read_only=viewer_enough(permissions))
             )
     if problems:
         return Check(POD_CHECK, "fail", f"{who}: " + " ".join(problems))

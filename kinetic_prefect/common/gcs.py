@@ -138,6 +138,11 @@ ENVIRONMENT_STORE_READ_PERMISSIONS = ("storage.objects.get",)
 _VIEWER_PERMISSIONS = frozenset({"storage.objects.get", "storage.objects.list"})
 
 
+def viewer_enough(permissions: list[str]) -> bool:
+    """Whether roles/storage.objectViewer holds every one of `permissions`."""
+    return _VIEWER_PERMISSIONS.issuperset(permissions)
+
+
 def role_holding(permission: str, read_only: bool = False) -> str:
     """The role the docs grant for `permission`: bucket metadata, or objects.
 
@@ -151,9 +156,13 @@ def role_holding(permission: str, read_only: bool = False) -> str:
     return "roles/storage.objectAdmin"
 
 
-def grant_hint(bucket: str, permissions: list[str], member: str | None = None) -> str:
-    """The gcloud commands that grant `permissions` on `bucket` to `member` (else MEMBER)."""
-    read_only = _VIEWER_PERMISSIONS.issuperset(permissions)
+def grant_hint(
+    bucket: str, permissions: list[str], member: str | None = None, read_only: bool = False
+) -> str:
+    """The gcloud commands that grant `permissions` on `bucket` to `member` (else MEMBER).
+
+    `read_only`: `member` only reads the bucket's objects, as the docs grant it.
+    """
     roles = sorted({role_holding(p, read_only) for p in permissions})
     commands = "; ".join(
         f"gcloud storage buckets add-iam-policy-binding gs://{bucket} "

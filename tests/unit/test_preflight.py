@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kinetic_prefect.common.gcs import grant_hint, viewer_enough
 from kinetic_prefect.launch.preflight import bucket_verdict
 
 WANTED = ("storage.objects.create", "storage.objects.get")
@@ -24,3 +25,25 @@ WANTED = ("storage.objects.create", "storage.objects.get")
 )
 def test_bucket_verdict(granted, read_status, verdict):
     assert bucket_verdict(WANTED, granted, read_status) == verdict
+
+
+# What the task pods need where, and the role docs/kubernetes.md "Permissions" grants for it.
+JOBS = ["storage.objects.create", "storage.objects.delete", "storage.objects.get"]
+
+
+@pytest.mark.parametrize(
+    ("wanted", "missing", "role"),
+    [
+        # The jobs or results bucket: read and written, so a denied read is objectAdmin's.
+        (JOBS, ["storage.objects.get"], "roles/storage.objectAdmin"),
+        (JOBS, ["storage.objects.create"], "roles/storage.objectAdmin"),
+        # The environment store: task pods only read it.
+        (["storage.objects.get"], ["storage.objects.get"], "roles/storage.objectViewer"),
+        (["storage.buckets.get"], ["storage.buckets.get"], "roles/storage.legacyBucketReader"),
+    ],
+)
+def test_the_grant_hint_names_the_role_the_docs_grant(wanted, missing, role):
+    hint = grant_hint("b", missing, "serviceAccount:p@x", read_only=viewer_enough(wanted))
+
+    assert f"--role={role}" in hint
+    assert hint.count("--role=") == 1
