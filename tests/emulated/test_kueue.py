@@ -39,13 +39,17 @@ NO_QUOTA = (
 )
 
 
-def _documented_queues(cluster: KubeCluster) -> None:
-    """Apply the ResourceFlavors, ClusterQueue and LocalQueue of docs/kueue.md."""
+def _documented_queues(cluster: KubeCluster, version: str | None = None) -> None:
+    """Apply the ResourceFlavors, ClusterQueue and LocalQueue of docs/kueue.md (at
+    `version` of Kueue's API: their fields are the same in v1beta1 and v1beta2)."""
     from tests.support.standins import apply, manifests
 
     section = DOCS.read_text().split("## A queue for a TPU node pool", 1)[1]
     text = section.split("```yaml\n", 1)[1].split("```", 1)[0]
-    apply(cluster.admin, NAMESPACE, manifests(text))
+    docs = manifests(text)
+    for doc in docs if version else []:
+        doc["apiVersion"] = f"kueue.x-k8s.io/{version}"
+    apply(cluster.admin, NAMESPACE, docs)
 
 
 @task
@@ -103,19 +107,12 @@ def _summary(obj: dict[str, Any]) -> dict[str, Any]:
 
 def _admitted_at_once(cluster: KubeCluster) -> int:
     """From the cluster's Job events: the most Jobs unsuspended and not finished at once."""
-    admitted: set[str] = set()
-    most = 0
-    for _, resource, event in cluster.call(lambda: list(cluster.emulator.events)):
-        if resource.plural != "jobs":
-            continue
-        job = event["object"]
-        name = job["metadata"]["name"]
-        if event["type"] == "DELETED" or _finished(job) or job["spec"].get("suspend"):
-            admitted.discard(name)
-        else:
-            admitted.add(name)
-        most = max(most, len(admitted))
-    return most
+    return cluster.most_at_once(
+        "jobs",
+        lambda kind, job: (
+            kind != "DELETED" and not _finished(job) and not job["spec"].get("suspend")
+        ),
+    )
 
 
 def _tpu_v5e_4_cluster(cluster: KubeCluster) -> None:
@@ -393,3 +390,76 @@ def test_a_restarted_flow_process_adopts_its_queued_job_and_keeps_waiting(
 
     assert resumed_from == 0
     assert len(cluster.created_jobs()) == 1
+
+
+def _most_pods_at_once(cluster: KubeCluster) -> int:
+    """From the cluster's pod events: the most pods alive (not ended, not deleted) at once."""
+    return cluster.most_at_once(
+        "pods",
+        lambda kind, pod: (
+            kind != "DELETED"
+            and (pod.get("status") or {}).get("phase") not in {"Succeeded", "Failed"}
+        ),
+    )
+
+
+def test_a_job_kueue_evicts_while_its_pod_runs_runs_again_once_never_beside_itself(
+    gke, cluster, workdir
+):
+    _tpu_v5e_4_cluster(cluster)
+    gate = workdir / "gate"
+
+    @flow(task_runner=_runner(gke, accelerator="tpu-v5e-4", queue_name=QUEUE))
+    def one() -> tuple[int, object]:
+        future = hold.submit(7, str(gate))
+        return future.result(), future.task_run_id
+
+    running = _in_background(one)
+
+    def running_pod() -> list[dict[str, Any]]:
+        return [p for p in cluster.pods() if (p.get("status") or {}).get("phase") == "Running"]
+
+    (first,) = wait_until(running_pod, 90, "the task's pod to run")
+    job_name = first["metadata"]["labels"]["job-name"]
+    cluster.run(cluster.kueue.preempt(NAMESPACE, job_name))
+    wait_until(
+        lambda: [p for p in running_pod() if p["metadata"]["labels"]["job-name"] != job_name],
+        90,
+        "the task's next pod to run",
+    )
+    gate.touch()
+    result, task_run = running.result(timeout=120)
+
+    assert result == 7
+    assert len(cluster.created_jobs()) == 2  # run again once
+    assert _most_pods_at_once(cluster) == 1
+    assert _suspended(cluster) == 0
+    assert job_name not in {j["metadata"]["name"] for j in cluster.jobs()}
+    # On the preemption budget: the task has no retries of its own.
+    assert any(m.startswith("Preempted: ") and "Kueue evicted" in m for m in _messages(task_run))
+
+
+def test_with_kueue_serving_only_v1beta2_a_queued_task_run_still_shows_its_position(
+    gke, cluster, workdir
+):
+    cluster.call(lambda: cluster.kueue.serve("v1beta2"))
+    cluster.kubelet.nodes = gke_nodes("tpu-v5e-4", "tpu-v5e-4", 4)
+    _documented_queues(cluster, "v1beta2")
+    gate = workdir / "gate"
+
+    @flow(task_runner=_runner(gke, accelerator="tpu-v5e-4", queue_name=QUEUE))
+    def sweep() -> list[int]:
+        futures = hold.map(range(5), gate=unmapped(str(gate)))
+        runs = [f.task_run_id for f in futures]
+        wait_until(
+            lambda: _waiting_for_quota(_positions(runs)),
+            90,
+            "a task run to show its queue position and Kueue's reason",
+        )
+        gate.touch()
+        return [f.result() for f in futures]
+
+    assert sweep() == list(range(5))
+    # What the runner asked of Kueue's APIs, all at the served version.
+    paths = [r.url.path for r in cluster.client_requests() if "kueue.x-k8s.io/" in r.url.path]
+    assert paths and not [p for p in paths if "/v1beta1/" in p]

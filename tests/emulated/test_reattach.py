@@ -179,21 +179,16 @@ def test_a_restarted_local_flow_process_reattaches_to_its_running_pod(workdir: P
 
 def _most_pods_at_once(cluster: KubeCluster, flow_run_id: str) -> int:
     """From the cluster's pod events: the most pods of one task identity running at once."""
-    running: dict[str, set[str]] = {}
-    most = 0
-    for _, resource, event in cluster.call(lambda: list(cluster.emulator.events)):
-        pod = event["object"]
+
+    def identity(pod: dict[str, Any]) -> str | None:
         labels = pod["metadata"].get("labels") or {}
-        if resource.plural != "pods" or labels.get(LABEL_FLOW_RUN_ID) != flow_run_id:
-            continue
-        pods = running.setdefault(labels[LABEL_TASK_IDENTITY], set())
-        phase = (pod.get("status") or {}).get("phase")
-        if event["type"] != "DELETED" and phase == "Running":
-            pods.add(pod["metadata"]["name"])
-        else:
-            pods.discard(pod["metadata"]["name"])
-        most = max(most, len(pods))
-    return most
+        return labels[LABEL_TASK_IDENTITY] if labels.get(LABEL_FLOW_RUN_ID) == flow_run_id else None
+
+    return cluster.most_at_once(
+        "pods",
+        lambda kind, pod: kind != "DELETED" and (pod.get("status") or {}).get("phase") == "Running",
+        identity,
+    )
 
 
 def test_a_killed_flow_processs_job_is_gone_in_time_and_a_rerun_resumes_after_it(

@@ -185,6 +185,29 @@ class KubeCluster:
     def pods(self, namespace: str | None = None) -> list[dict[str, Any]]:
         return self.call(lambda: self.emulator.live(PODS, namespace))
 
+    def most_at_once(
+        self,
+        plural: str,
+        holds: Callable[[str, dict[str, Any]], bool],
+        group: Callable[[dict[str, Any]], str | None] = lambda obj: "",
+    ) -> int:
+        """From the cluster's event history: the most objects of `plural` that `holds` (given
+        the event type and the object) at once, counted apart per `group` (None: skipped)."""
+        held: dict[str, set[str]] = {}
+        most = 0
+        for _, resource, event in self.call(lambda: list(self.emulator.events)):
+            obj = event["object"]
+            key = group(obj) if resource.plural == plural else None
+            if key is None:
+                continue
+            names = held.setdefault(key, set())
+            if holds(event["type"], obj):
+                names.add(obj["metadata"]["name"])
+            else:
+                names.discard(obj["metadata"]["name"])
+            most = max(most, len(names))
+        return most
+
     def workloads(self, namespace: str | None = None) -> list[dict[str, Any]]:
         """Kueue's Workloads (tests/support/kueue.py)."""
         return self.call(lambda: self.emulator.live("workloads", namespace))

@@ -151,6 +151,20 @@ class _RecordingBus(aiobus.Bus[Any]):
         await super().put(*items)
 
 
+_VERSION = re.compile(r"v(\d+)(?:(alpha|beta)(\d+))?")
+
+
+def version_priority(version: str) -> tuple[int, int, int, str]:
+    """Sort key of Kubernetes' version priority: GA, then beta, then alpha, each newest first;
+    anything else last, by name."""
+    match = _VERSION.fullmatch(version)
+    if match is None:
+        return (3, 0, 0, version)
+    major, level, minor = match.groups()
+    rank = {None: 0, "beta": 1, "alpha": 2}[level]
+    return (rank, -int(major), -int(minor or 0), version)
+
+
 @attrs.define(kw_only=True)
 class ClusterEmulator(kmock.KubernetesEmulator):
     """kmock's Kubernetes emulator with what a watching client relies on."""
@@ -184,6 +198,9 @@ class ClusterEmulator(kmock.KubernetesEmulator):
     namespace_labels: dict[str, dict[str, str]] = attrs.field(factory=dict, init=False)
     # Kueue's visibility API: (namespace, LocalQueue) -> its PendingWorkloadsSummary.
     pending_workloads: Any = attrs.field(default=None, init=False)
+    # API groups whose served versions are set here (Kueue's CRDs and its aggregated
+    # visibility API): discovery lists them, and a request for any other version is 404.
+    served_versions: dict[str, tuple[str, ...]] = attrs.field(factory=dict, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -267,10 +284,13 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         return kube_auth.authenticate(token, self.tokens, self.policy.account_exists)
 
     def _attributes(self, request: kmock.Request, user: kube_auth.User) -> kube_auth.Attributes:
-        verb = kube_auth.request_verb(request.method.value, request.name, dict(request.params))
         resource = request.resource
-        if resource is None:
+        if resource is None or not resource.plural:
+            # Discovery (`/apis/GROUP`, `/apis/GROUP/VERSION`) names no resource: kube-apiserver
+            # authorizes it as a non-resource URL, with the HTTP method as its verb.
+            verb = request.method.value.lower()
             return kube_auth.Attributes(user, verb, request.url.path, resource_request=False)
+        verb = kube_auth.request_verb(request.method.value, request.name, dict(request.params))
         return kube_auth.Attributes(
             user,
             verb,
@@ -327,6 +347,17 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         refusal = self._refusal(request)
         if refusal is not None:
             return refusal
+        resource = request.resource
+        if (
+            resource is not None
+            and resource.group in self.served_versions
+            and isinstance(resource.version, str)
+            and resource.version not in self.served_versions[resource.group]
+        ):
+            # A CRD version with `served: false` "results in a not found error"
+            # (https://kubernetes.io/docs/tasks/extend-kubernetes/custom-resources/
+            # custom-resource-definition-versioning/, "Version removal").
+            raise kmock.KubernetesResourceNotFoundError()
         review = self._access_review(request)
         if review is not None:
             return review
@@ -504,6 +535,25 @@ class ClusterEmulator(kmock.KubernetesEmulator):
     def compact(self) -> None:
         """Forget history: a watch resuming from an older resourceVersion gets 410 Gone."""
         self.compacted_version = self.version
+
+    # -- discovery of the groups with set versions ------------------------------------
+
+    async def _serve_group(self, request: kmock.Request) -> Any:
+        group = request.resource.group if request.resource is not None else None
+        if group not in self.served_versions:
+            return await super()._serve_group(request)
+        # Served versions in Kubernetes' version priority, the first one preferred
+        # (https://kubernetes.io/docs/tasks/extend-kubernetes/custom-resources/
+        # custom-resource-definition-versioning/, "Version priority").
+        versions = sorted(self.served_versions[group], key=version_priority)
+        listed = [{"groupVersion": f"{group}/{v}", "version": v} for v in versions]
+        return {
+            "apiVersion": "v1",
+            "kind": "APIGroup",
+            "name": group,
+            "versions": listed,
+            "preferredVersion": listed[0],
+        }
 
     # -- pod logs ---------------------------------------------------------------------
 

@@ -10,7 +10,11 @@ TTL-after-finished controller does, it deletes a finished Job (and so its pods)
 (over quota, a service account that does not exist) is not created: as the Job
 controller does, it records a FailedCreate event on the Job and tries again with
 backoff. A suspended Job (one waiting in a Kueue queue, tests/support/kueue.py) gets
-its pods only once it is unsuspended.
+its pods only once it is unsuspended. Suspending a Job that has pods deletes them, as
+Kubernetes' Job controller does ("Suspending a Job will delete its active Pods until
+the Job is resumed again", https://kubernetes.io/docs/concepts/workloads/controllers/job/
+"Suspending a Job"), and gives the Job the condition `Suspended` (reason
+`JobSuspended`); resumed, it gets new pods.
 
 A container runs the interpreter of its image: a stock `python` image has a bare
 one, with its standard library and pip only (`bare_python()`), so a pod of the
@@ -58,6 +62,7 @@ from tests.support.kube_objects import (
     event,
     failed_create_event,
     finished_job_status,
+    now,
     place,
     pod_of_job,
     pod_requests,
@@ -96,6 +101,8 @@ class _Pod:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     running: bool = False
     terminating: bool = False
+    # Its Job was suspended: its pods go, the Job stays and gets new ones once resumed.
+    suspending: bool = False
     # One pod per host for an Indexed Job (a multi-host slice); `name` is host 0's.
     names: list[str] = field(default_factory=list)
     # The nodes its pods are bound to, one per pod, until it ends.
@@ -248,6 +255,11 @@ class Kubelet:
                 timer = asyncio.get_running_loop().create_task(self._expire(job))
                 timer.add_done_callback(self._task_done)
                 self._ttl_timers[name] = timer
+        elif job["spec"].get("suspend") and name in self._pods:
+            pod = self._pods[name]
+            if not pod.terminating:
+                pod.terminating = pod.suspending = True
+                self._spawn(self._terminate(pod))
         elif name not in self._pods and not job["spec"].get("suspend"):
             # A suspended Job (waiting in a Kueue queue) gets its pods once unsuspended.
             suffix = secrets.token_hex(3)[:5]
@@ -626,6 +638,26 @@ class Kubelet:
         for name in pod.names:
             self.emulator.finished_logs.add((pod.namespace, name))
             await self._request("DELETE", self._pod_path(pod, name=name))
+        meta = pod.job["metadata"]
+        current = self.emulator.find(JOBS, meta["namespace"], meta["name"])
+        if (
+            pod.suspending
+            and current is not None
+            and not current["metadata"].get("deletionTimestamp")
+        ):
+            # Suspended, not deleted: the Job stays, and gets new pods once resumed.
+            self._pods.pop(meta["name"], None)
+            suspended = {
+                "type": "Suspended",
+                "status": "True",
+                "reason": "JobSuspended",
+                "message": "Job suspended",
+                "lastTransitionTime": now(),
+            }
+            await self._job_status(pod, {"conditions": [suspended], "active": 0})
+            if not current["spec"].get("suspend"):  # resumed meanwhile
+                self._on_job("MODIFIED", current)
+            return
         await self._release_job(pod.job)
 
     async def _release_job(self, job: dict[str, Any]) -> None:

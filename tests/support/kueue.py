@@ -14,19 +14,33 @@ No real Kueue runs here (docs/testing.md). This one follows Kueue's API shapes
   times count) fits the nominal quota of a flavor whose `nodeLabels` agree with the pod's
   nodeSelector, minus what admitted Workloads use. `StrictFIFO` stops at the first
   that does not fit, `BestEffortFIFO` (Kueue's default) goes on to the next. No
-  cohorts, borrowing, preemption, admission checks or requeueing.
+  cohorts, borrowing, admission checks, or preemption of its own accord.
 - An admitted Workload gets `QuotaReserved` and `Admitted` conditions and
   `status.admission` (its ClusterQueue, flavors and usage per pod set); then the Job's
   pod template gets the flavor's nodeLabels as nodeSelector and `spec.suspend: false`.
   One that does not fit gets `QuotaReserved: False` (reason `Pending`) with Kueue's
   message: "couldn't assign flavors to pod set main: insufficient unused quota for
   google.com/tpu in flavor F, 4 more needed".
+- `preempt(namespace, job)` evicts an admitted Workload as Kueue's preemption does
+  (https://kueue.sigs.k8s.io/docs/concepts/preemption/, and the job reconciler's
+  eviction step, `pkg/controller/jobframework/reconciler.go`): `Evicted` (reason
+  `Preempted`) and `Preempted` (reason `InClusterQueue`) with Kueue's message; the Job
+  suspended, so the Job controller deletes its pods; once the Job has none left,
+  `Requeued` (reason `Preempted`), `QuotaReserved: False` (reason `Pending`, the eviction's
+  message), `Admitted: False` (reason `NoReservation`), no `admission`, and the quota back.
+  The Workload waits in its queue again and is admitted again (the Job unsuspended) when
+  it fits; `Evicted` and `Preempted` then turn False with the message "Previously: ...".
 - A Job that finishes gives its quota back (its Workload gets `Finished`); a Job that
   is deleted gives it back too, and its Workload goes with it (the garbage collector
   deletes it, as it would by its owner reference).
-- The visibility API (`visibility.kueue.x-k8s.io/v1beta1`, `pendingworkloads` of a
+- The visibility API (`visibility.kueue.x-k8s.io`, `pendingworkloads` of a
   LocalQueue) answers with the pending Workloads in admission order and their
   positions, shaped as Kueue's `PendingWorkloadsSummary`.
+- It serves one version of both APIs, `v1beta1` (Kueue 0.14 and older) unless a test
+  calls `serve("v1beta2")` (a Kueue that no longer serves `v1beta1`, as kubernetes-sigs/
+  kueue#13957 plans for 0.20): the emulated API server then answers any other version of
+  them 404 and lists only that one in discovery. The fields used here are the same in
+  both (`apis/kueue/v1beta1` and `v1beta2` of kueue v0.19.0).
 
 `peak_admitted` is the most Workloads each ClusterQueue held admitted at once.
 """
@@ -47,8 +61,8 @@ from tests.support.kube_objects import now
 KUEUE_AGENT = "test-kueue"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
-API = "kueue.x-k8s.io/v1beta1"
-VISIBILITY_API = "visibility.kueue.x-k8s.io/v1beta1"
+GROUP = "kueue.x-k8s.io"
+VISIBILITY_GROUP = "visibility.kueue.x-k8s.io"
 POD_SET = "main"
 
 
@@ -87,6 +101,8 @@ class _Workload:
     posted: bool = False
     body: dict[str, Any] = field(default_factory=dict)
     conditions: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Evicted and not requeued yet: the eviction's message.
+    evicted: str | None = None
 
 
 def _pod_requests(template: dict[str, Any]) -> dict[str, float]:
@@ -99,11 +115,19 @@ def _pod_requests(template: dict[str, Any]) -> dict[str, float]:
     return total
 
 
+def _suspended_without_pods(job: dict[str, Any]) -> bool:
+    """The Job controller says the suspended Job's pods are gone (condition `Suspended`)."""
+    conditions = (job.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Suspended" and c.get("status") == "True" for c in conditions)
+
+
 class Kueue:
     """Admits queued Jobs by ClusterQueue quota (see the module docstring)."""
 
     def __init__(self, emulator: ClusterEmulator) -> None:
         self.emulator = emulator
+        self.version = ""
+        self.serve("v1beta1")
         self.errors: list[BaseException] = []
         self.flavors: dict[str, dict[str, str]] = {}  # name -> nodeLabels
         self.cluster_queues: dict[str, dict[str, Any]] = {}  # name -> spec
@@ -114,6 +138,11 @@ class Kueue:
         self._session: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._changed = asyncio.Event()
+
+    def serve(self, version: str) -> None:
+        """Serve Kueue's APIs at `version` only (before a test applies its queues)."""
+        self.version = version
+        self.emulator.served_versions.update({GROUP: (version,), VISIBILITY_GROUP: (version,)})
 
     async def run(self, base_url: str) -> None:
         self._session = aiohttp.ClientSession(
@@ -176,6 +205,9 @@ class Kueue:
             return
         if workload.done:
             return
+        if workload.evicted is not None and not ended and _suspended_without_pods(job):
+            self._spawn(self._requeue(workload))
+            return
         if ended or finished is not None:
             workload.done = True
             workload.usage = {}
@@ -208,7 +240,7 @@ class Kueue:
         )
         self.workloads[workload.job_uid] = workload
         workload.body = {
-            "apiVersion": API,
+            "apiVersion": f"{GROUP}/{self.version}",
             "kind": "Workload",
             "metadata": {
                 "name": workload.name,
@@ -358,11 +390,16 @@ class Kueue:
                 f"Quota reserved in ClusterQueue {cluster_queue}",
             ),
             _condition("Admitted", True, "Admitted", "The workload is admitted"),
+            *(
+                _condition(kind, False, "QuotaReserved", f"Previously: {old['message']}")
+                for kind in ("Evicted", "Preempted")
+                if (old := workload.conditions.get(kind)) and old["status"] == "True"
+            ),
         )
         labels: dict[str, str] = {}
         for flavor in set(flavors.values()):
             labels.update(self.flavors.get(flavor, {}))
-        path = f"/apis/batch/v1/namespaces/{workload.namespace}/jobs/{workload.job_name}"
+        path = self._job_path(workload)
         patch: dict[str, Any] = {"spec": {"suspend": False}}
         if labels:
             patch["spec"]["template"] = {"spec": {"nodeSelector": labels}}
@@ -382,6 +419,43 @@ class Kueue:
         message = "Job finished successfully" if succeeded else str(finished.get("message") or "")
         reason = "Succeeded" if succeeded else "Failed"
         await self._status(workload, {}, _condition("Finished", True, reason, message))
+        self._changed.set()
+
+    # -- preemption -------------------------------------------------------------------------
+
+    async def preempt(self, namespace: str, job_name: str) -> None:
+        """Evict the admitted Workload of Job `job_name`, as Kueue's preemption does."""
+        workload = next(
+            w
+            for w in self.workloads.values()
+            if (w.namespace, w.job_name) == (namespace, job_name) and not w.done
+        )
+        assert workload.admitted_to is not None, f"{job_name} is not admitted"
+        message = (
+            f"Preempted to accommodate a workload (UID: {secrets.token_hex(8)}, JobUID: "
+            f"{secrets.token_hex(8)}) due to prioritization in the ClusterQueue"
+        )
+        workload.evicted = message
+        await self._status(
+            workload,
+            {},
+            _condition("Evicted", True, "Preempted", message),
+            _condition("Preempted", True, "InClusterQueue", message),
+        )
+        # Kueue stops the Job; the Job controller then deletes its pods.
+        await self._request("PATCH", self._job_path(workload), {"spec": {"suspend": True}})
+
+    async def _requeue(self, workload: _Workload) -> None:
+        """The evicted Job has no pod left: its quota goes back and it waits in its queue."""
+        message, workload.evicted = workload.evicted or "", None
+        workload.admitted_to, workload.usage = None, {}
+        await self._status(
+            workload,
+            {"admission": None},
+            _condition("Requeued", True, "Preempted", message),
+            _condition("QuotaReserved", False, "Pending", message),
+            _condition("Admitted", False, "NoReservation", "The workload has no reservation"),
+        )
         self._changed.set()
 
     # -- the visibility API ---------------------------------------------------------------
@@ -413,15 +487,18 @@ class Kueue:
             in_local += 1
         return {
             "kind": "PendingWorkloadsSummary",
-            "apiVersion": VISIBILITY_API,
+            "apiVersion": f"{VISIBILITY_GROUP}/{self.version}",
             "metadata": {"creationTimestamp": None},
             "items": items,
         }
 
     # -- HTTP -----------------------------------------------------------------------------
 
+    def _job_path(self, workload: _Workload) -> str:
+        return f"/apis/batch/v1/namespaces/{workload.namespace}/jobs/{workload.job_name}"
+
     def _collection(self, workload: _Workload) -> str:
-        return f"/apis/{API}/namespaces/{workload.namespace}/workloads"
+        return f"/apis/{GROUP}/{self.version}/namespaces/{workload.namespace}/workloads"
 
     async def _status(
         self, workload: _Workload, status: dict[str, Any], *conditions: dict[str, Any]

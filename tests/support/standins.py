@@ -100,10 +100,13 @@ class Target:
             return exc.code, json.loads(exc.read() or b"{}")
 
 
-def _collection(kind: str, namespace: str) -> str:
+def _collection(kind: str, namespace: str, api_version: str | None = None) -> str:
+    """The collection of `kind`; at the document's `apiVersion` when given, as kubectl asks."""
     if kind not in _KINDS:
         raise KubectlError(f'error: the stand-in kubectl cannot apply kind "{kind}"')
     prefix, plural, namespaced = _KINDS[kind]
+    if api_version is not None:
+        prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
     return f"{prefix}/namespaces/{namespace}/{plural}" if namespaced else f"{prefix}/{plural}"
 
 
@@ -126,7 +129,7 @@ def apply(target: Target, namespace: str, docs: list[dict[str, Any]]) -> list[st
     for doc in docs:
         doc = json.loads(json.dumps(doc))  # the caller's copy stays as it was
         kind, name = doc["kind"], doc["metadata"]["name"]
-        collection = _collection(kind, namespace)
+        collection = _collection(kind, namespace, doc.get("apiVersion"))
         if _KINDS[kind][2]:
             doc["metadata"]["namespace"] = namespace
         status, answer = target.request("POST", collection, doc)

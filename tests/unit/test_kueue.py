@@ -5,12 +5,18 @@ from __future__ import annotations
 import kubernetes_validate
 import pytest
 
-from kinetic_prefect.backends.gke.kueue import listing_positions, queued_message, workload_of
+from kinetic_prefect.backends.gke.kueue import (
+    listing_positions,
+    queued_message,
+    served_version,
+    workload_of,
+)
 from kinetic_prefect.backends.gke.permissions import RUNNER_ACCESS, needed_access
 from kinetic_prefect.backends.gke.status import job_status
 from kinetic_prefect.errors import ConfigurationError
 from kinetic_prefect.launch.settings import resolve_settings
 from kinetic_prefect.launch.slices import build_workload
+from tests.support.kube_emulator import version_priority
 from tests.unit.test_manifest import _spec
 
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
@@ -97,3 +103,35 @@ def test_doctor_asks_for_kueue_verbs_only_of_a_runner_with_a_queue_name():
 
     assert kueue and not kueue & set(needed_access(resolve_settings(environ={})))
     assert kueue <= set(needed_access(resolve_settings(runner={"queue_name": "tpu"}, environ={})))
+
+
+def test_the_emulated_discovery_orders_versions_as_kubernetes_documents():
+    # The example order of "Version priority" in Kubernetes' CRD versioning page.
+    documented = ["v10", "v2", "v1", "v11beta2", "v10beta3", "v3beta1", "v12alpha1", "v11alpha2"]
+    documented += ["foo1", "foo10"]
+    assert sorted(reversed(documented), key=version_priority) == documented
+
+
+def _group(preferred: str | None, *served: str) -> dict:
+    listed = [{"groupVersion": f"kueue.x-k8s.io/{v}", "version": v} for v in served]
+    chosen = {"groupVersion": f"kueue.x-k8s.io/{preferred}", "version": preferred}
+    return {"kind": "APIGroup", "versions": listed, "preferredVersion": chosen}
+
+
+@pytest.mark.parametrize(
+    ("group", "version"),
+    [
+        # Kueue 0.14 and older.
+        (_group("v1beta1", "v1beta1"), "v1beta1"),
+        # 0.15 to 0.19: both served, v1beta2 first by version priority.
+        (_group("v1beta2", "v1beta2", "v1beta1"), "v1beta2"),
+        # v1beta1 no longer served (kubernetes-sigs/kueue#13957).
+        (_group("v1beta2", "v1beta2"), "v1beta2"),
+        # A newer version this runner does not speak is preferred: the newest it speaks.
+        (_group("v1", "v1", "v1beta2"), "v1beta2"),
+        (_group("v1", "v1"), None),
+        (None, None),
+    ],
+)
+def test_the_kueue_version_spoken_is_the_preferred_one_this_runner_knows(group, version):
+    assert served_version(group) == version

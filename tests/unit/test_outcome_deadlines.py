@@ -62,6 +62,19 @@ def _job_with(condition: str, reason: str) -> dict[str, Any]:
     }
 
 
+# Kueue stops an evicted Job by suspending it (its job reconciler's eviction step).
+SUSPENDED = {"metadata": {"name": "kp-train"}, "spec": {"suspend": True}}
+FAILED_POD = {
+    "metadata": {"name": "kp-train-x7k2p"},
+    "status": {
+        "phase": "Failed",
+        "containerStatuses": [
+            {"name": "task", "state": {"terminated": {"exitCode": 143, "reason": "Error"}}}
+        ],
+    },
+}
+
+
 @dataclass
 class Clock:
     now: float = 0.0
@@ -106,6 +119,7 @@ def _tracker(
         report_pending=lambda j, reason: None,
         fail_to_start=seen.failed_to_start,
         probe_events=lambda j: seen.note("probed events"),
+        evict=lambda j: seen.note("deleted its Job"),
         intervals=Intervals(),
         clock=clock,
     )
@@ -202,6 +216,35 @@ def _run(
             200.0,
             [(55.0, "concluded: the pod was deleted before it finished")],
             id="a pod gone and no Job reason within the pod-gone settle time",
+        ),
+        pytest.param(
+            "l4",
+            None,
+            [
+                (1.0, {"pod": _running()}),
+                (50.0, {"job": SUSPENDED}),
+                (52.0, {"pod": FAILED_POD}),
+                (53.0, {"job_gone": True}),
+            ],
+            200.0,
+            [(50.0, "deleted its Job"), (53.0, "concluded: Kueue evicted the Job")],
+            id="a Job Kueue suspends while its pod runs is deleted and ends once it is gone",
+        ),
+        pytest.param(
+            "l4",
+            None,
+            [(1.0, {"pod": _running()}), (50.0, {"job": SUSPENDED}), (51.0, {"pod_gone": True})],
+            200.0,
+            [(50.0, "deleted its Job"), (50.0 + GRACE + 30.0, "concluded: Kueue evicted")],
+            id="an evicted Job whose deletion is not seen ends after the grace and settle margin",
+        ),
+        pytest.param(
+            "l4",
+            None,
+            [(2.0, {"job": SUSPENDED}), (3.0, {"job_gone": True})],
+            200.0,
+            [(2.0, "deleted its Job"), (3.0, "concluded: Kueue evicted the Job")],
+            id="a Job Kueue suspends before its pod is seen is deleted all the same",
         ),
     ],
 )

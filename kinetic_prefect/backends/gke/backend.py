@@ -143,6 +143,7 @@ class KubernetesBackend(JobEnding):
             fail_to_start=self._start_failing,
             probe_events=lambda job: self._runtime.spawn(self._probe_events(job)),
             on_queued=lambda job: self._queue_reader.poke(),
+            evict=self._evict,
             intervals=intervals,
         )
         self._watch = JobWatch(

@@ -80,6 +80,11 @@ class JobEnding:
         if not existed:
             job.job_gone = True
 
+    def _evict(self, job: TrackedJob) -> None:
+        """Kueue evicted the job's Job while its pod ran: delete it (the tracker ends it)."""
+        logger.info("Kueue evicted Job %s while its pod ran; deleting it", job.job_id)
+        self._runtime.spawn(self._delete_job(job))
+
     async def _delete_services(self, job: TrackedJob) -> None:
         try:
             await delete_services(self._core, job.namespace, job.extra_objects)
@@ -158,7 +163,7 @@ class JobEnding:
                 cancelled=job.cancelled and start_failure is None,
                 log_tail=log_tail,
                 start_failure=start_failure,
-                preempted=not job.cancelled and infrastructure_took(job.pod),
+                preempted=not job.cancelled and (job.evicted or infrastructure_took(job.pod)),
             )
             self._dispatch(job, job.on_exit, outcome)
 

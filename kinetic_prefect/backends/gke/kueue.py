@@ -16,6 +16,13 @@ namespace's Workloads and one visibility request per LocalQueue every
 `poll_seconds`; nothing when no Job is queued. Without the visibility API (not
 installed, or not granted) the position is the Job's place among the LocalQueue's
 pending Workloads of the listing, in Kueue's order (priority, then creation).
+
+Which version of Kueue's APIs to speak is read from the API server's discovery
+(`GET /apis/kueue.x-k8s.io`, and the same for the visibility API), once per reader:
+Kueue serves `v1beta2` from 0.15 and stores it from 0.16, deprecates `v1beta1`, and
+stops serving it in a later release; a cluster with Kueue 0.14 or older serves only
+`v1beta1`. The fields read here (conditions, priority, the visibility summary) are the
+same in both.
 """
 
 from __future__ import annotations
@@ -36,15 +43,31 @@ from kinetic_prefect.common.intervals import Intervals
 logger = get_logger("kinetic_prefect.backends.gke.kueue")
 
 KUEUE_GROUP = "kueue.x-k8s.io"
-KUEUE_VERSION = "v1beta1"
 WORKLOADS = "workloads"
 VISIBILITY_GROUP = "visibility.kueue.x-k8s.io"
+# The versions of Kueue's APIs this reader speaks, newest first.
+KUEUE_VERSIONS = ("v1beta2", "v1beta1")
 # Kueue labels each Workload it makes for a Job with the Job's uid.
 LABEL_JOB_UID = "kueue.x-k8s.io/job-uid"
 PENDING_WORKLOADS_PATH = (
-    f"/apis/{VISIBILITY_GROUP}/{KUEUE_VERSION}/namespaces/{{namespace}}/localqueues/{{name}}"
+    f"/apis/{VISIBILITY_GROUP}/{{version}}/namespaces/{{namespace}}/localqueues/{{name}}"
     "/pendingworkloads"
 )
+
+
+def served_version(group: Mapping[str, Any] | None) -> str | None:
+    """The version to speak of an API group, from its discovery document (an `APIGroup`).
+
+    The server's preferred version when this reader speaks it, else the newest served
+    one it speaks; None when it serves none of them (or the group is not there).
+    """
+    if not group:
+        return None
+    preferred = (group.get("preferredVersion") or {}).get("version")
+    if preferred in KUEUE_VERSIONS:
+        return str(preferred)
+    served = {str(v.get("version")) for v in group.get("versions") or []}
+    return next((v for v in KUEUE_VERSIONS if v in served), None)
 
 
 def workload_of(workloads: list[dict[str, Any]], job_uid: str) -> dict[str, Any] | None:
@@ -130,6 +153,8 @@ class QueueReader:
         self._wake = asyncio.Event()
         # (namespace, LocalQueue) whose visibility API did not answer: read the listing only.
         self._no_visibility: set[tuple[str, str]] = set()
+        # API group -> the version discovery chose (None: not served), once read.
+        self._versions: dict[str, str | None] = {}
 
     def poke(self) -> None:
         """A Job may have become queued: read soon."""
@@ -167,15 +192,46 @@ class QueueReader:
             if self._queued_jobs():
                 self._wake.set()
 
+    async def _version(self, api: Any, group: str) -> str | None:
+        """The version of `group` to speak (discovery, read once); None when not served."""
+        if group not in self._versions:
+            try:
+                document = await read_json(
+                    await api.call_api(
+                        f"/apis/{group}",
+                        "GET",
+                        header_params={"Accept": "application/json"},
+                        auth_settings=["BearerToken"],
+                        _preload_content=False,
+                    )
+                )
+            except ApiException as exc:
+                if exc.status != 404:
+                    raise
+                document = None
+            self._versions[group] = served_version(document)
+        return self._versions[group]
+
     async def _read(self, namespace: str, jobs: list[TrackedJob]) -> None:
         from kubernetes_asyncio import client
 
         api = self._api_client()
-        listing = await read_json(
-            await client.CustomObjectsApi(api).list_namespaced_custom_object(
-                KUEUE_GROUP, KUEUE_VERSION, namespace, WORKLOADS, _preload_content=False
+        version = await self._version(api, KUEUE_GROUP)
+        if version is None:
+            self._versions.pop(KUEUE_GROUP)  # installed later, perhaps: ask again next time
+            raise RuntimeError(
+                f"the cluster serves no version of {KUEUE_GROUP} this runner speaks "
+                f"({', '.join(KUEUE_VERSIONS)}): is Kueue installed?"
             )
-        )
+        try:
+            response = await client.CustomObjectsApi(api).list_namespaced_custom_object(
+                KUEUE_GROUP, version, namespace, WORKLOADS, _preload_content=False
+            )
+        except ApiException as exc:
+            if exc.status == 404:  # that version no longer served (Kueue upgraded meanwhile)
+                self._versions.clear()
+            raise
+        listing = await read_json(response)
         workloads = list(listing.get("items") or [])
         fallback = listing_positions(workloads)
         positions: dict[str, Mapping[str, Any]] = {}
@@ -198,11 +254,14 @@ class QueueReader:
         if (namespace, queue) in self._no_visibility:
             return {}
         try:
+            version = await self._version(api, VISIBILITY_GROUP)
+            if version is None:
+                raise ApiException(status=404, reason=f"{VISIBILITY_GROUP} is not served")
             summary = await read_json(
                 await api.call_api(
                     PENDING_WORKLOADS_PATH,
                     "GET",
-                    {"namespace": namespace, "name": queue},
+                    {"namespace": namespace, "name": queue, "version": version},
                     [],
                     {"Accept": "application/json"},
                     auth_settings=["BearerToken"],

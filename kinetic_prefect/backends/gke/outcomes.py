@@ -9,6 +9,13 @@ reports why; past `pending_timeout_seconds` the job fails to start, and a Job th
 gets no pod is probed for FailedCreate events meanwhile. A Job waiting in a Kueue
 LocalQueue (suspended) is not pending: both clocks start when it is admitted.
 
+A Job Kueue evicts after admission (preemption: it suspends the Job, whose pods the
+Job controller deletes, and admits it again later) is not left to run again: the Job
+is deleted (Foreground, so its pods go first) and the job ends as preempted only once
+the Job is gone, so the runner's next attempt, on the preemption budget, never runs
+beside this one's pod, and no suspended Job is left behind. Whether its pod had started
+is not asked: the pod watch may not have shown it yet when the Job's suspension arrives.
+
 A pod waiting for capacity that exists (nodes of its kind busy, or a node being
 added: `status.Pending.waits_for_capacity`) is queued, not pending: that time does
 not count toward `pending_timeout_seconds`, only toward `queue_timeout_seconds`
@@ -44,6 +51,11 @@ from kinetic_prefect.common.intervals import Intervals
 # (job, exit code, signal, reason)
 Conclude = Callable[[TrackedJob, int | None, int | None, str], None]
 
+EVICTED_REASON = (
+    "Kueue evicted the Job while its pod ran (its Workload was preempted or its admission "
+    "withdrawn); the Job was deleted so that it cannot run beside the next attempt"
+)
+
 
 class OutcomeTracker:
     """Applies the rules of the module docstring to the backend's tracked jobs.
@@ -66,6 +78,7 @@ class OutcomeTracker:
         fail_to_start: Callable[[TrackedJob, str | None], None],
         probe_events: Callable[[TrackedJob], None],
         on_queued: Callable[[TrackedJob], None] | None = None,
+        evict: Callable[[TrackedJob], None] | None = None,
         intervals: Intervals | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -82,6 +95,7 @@ class OutcomeTracker:
         self._fail_to_start = fail_to_start
         self._probe_events = probe_events
         self._on_queued = on_queued
+        self._evict = evict
         self._wake = asyncio.Event()
 
     def start_clock(self, job: TrackedJob) -> None:
@@ -109,8 +123,14 @@ class OutcomeTracker:
         if job.job is None or job.job_gone:
             return
         if suspended(job.job):
-            if job.admitted_at is not None and not pod_started(job.pod):
-                self._queued(job)  # evicted by Kueue before its pod started
+            if job.admitted_at is None or job.evicted or job.cancelled:
+                return
+            job.evicted = True
+            # Its end is the Job's deletion; a settle begun on the pod's exit is void.
+            job.settle_by = self._clock() + self.settle_seconds()
+            self.poke()
+            if self._evict is not None:
+                self._evict(job)
         elif job.admitted_at is None:
             self._admitted(job, self._clock())
             queue = queue_name_of(job.job)
@@ -132,6 +152,10 @@ class OutcomeTracker:
         if job.done or job.failing_to_start:
             return
         self._note_admission(job)
+        if job.evicted:
+            if job.job_gone:
+                self._conclude_as_known(job)
+            return
         pod = job.pod
         if pod_phase(pod) in {"Succeeded", "Failed"}:
             self._conclude(job, *pod_outcome(pod, job.job))
@@ -189,6 +213,8 @@ class OutcomeTracker:
     def _conclude_as_known(self, job: TrackedJob) -> None:
         """End a job from whatever was last seen of its pod and Job."""
         code, sig, reason = pod_outcome(job.pod, job.job)
+        if job.evicted:
+            code, sig, reason = None, None, EVICTED_REASON
         if not reason and not job.cancelled:
             if job.pod_gone:
                 reason = "the pod was deleted before it finished"

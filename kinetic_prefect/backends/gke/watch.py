@@ -76,6 +76,9 @@ class TrackedJob:
     job: dict[str, Any] | None = None
     job_gone: bool = False
     cancelled: bool = False
+    # Kueue evicted its admitted Job while the pod ran (it suspended the Job): the Job is
+    # deleted, and the job ends as preempted once it is gone (`OutcomeTracker`).
+    evicted: bool = False
     failing_to_start: bool = False
     done: bool = False
     pending_reason: str | None = None
