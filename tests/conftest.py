@@ -9,6 +9,11 @@ import os
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_TO_API_BATCH_INTERVAL", "0.3")
+# One master record key for every worker of the run, as one deployment has (each worker's
+# Prefect home would otherwise make its own): the node cache's markers are signed with a key
+# derived from it, and pods of one worker would refuse, and unpack again, what another's
+# unpacked on the shared test node.
+os.environ.setdefault("KINETIC_RECORD_KEY", "kinetic-prefect test suite master record key")
 # The suite's intervals (docs/intervals.md's last column): this process, the flow processes
 # and workers it starts, and through their manifests every pod, wait this long.
 os.environ["KINETIC_INTERVALS"] = json.dumps(

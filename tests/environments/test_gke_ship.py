@@ -28,6 +28,7 @@ from kinetic_prefect.launch.manifest import (
 )
 from kinetic_prefect.pod import bootstrap
 from tests.support.clusters import SHIPPED_REQUIREMENTS
+from tests.support.gcs import FaultInjectingProxy
 from tests.support.kube import NAMESPACE
 from tests.support.kube_admission import AUTOPILOT
 from tests.support.metadata_server import MetadataServer
@@ -299,3 +300,35 @@ def test_the_next_flow_run_reuses_the_environment_an_earlier_one_unpacked_and_st
     assert len(first) == 1 and stale not in first
     assert unpacked() == first  # neither unpacked again nor its marker rewritten
     assert not stale.exists()  # pruned by the first pod's init container
+
+
+def test_an_environment_download_reset_mid_body_resumes_and_the_task_runs(
+    gke: str, cluster: KubeCluster, tmp_path: Path
+) -> None:
+    # A node of its own, so the pod downloads its environment; a proxy in front of GCS
+    # resets the first object download after 8 MiB of its body.
+    cluster.kubelet.local.node_root = tmp_path / "node"
+    fronts: dict[str, FaultInjectingProxy] = {}
+
+    def front(address: str) -> str:
+        if address not in fronts:
+            fronts[address] = FaultInjectingProxy(address, every=None, reset_after=8 << 20)
+            fronts[address].__enter__()
+        return fronts[address].url
+
+    cluster.kubelet.gcs_front = front
+
+    @flow(task_runner=_runner(gke))
+    def once() -> int:
+        return squared.submit(6).result()
+
+    try:
+        assert once() == 36
+    finally:
+        for proxy in fronts.values():
+            proxy.__exit__(None, None, None)
+
+    (proxy,) = fronts.values()
+    assert proxy.resets == 1
+    resumed = [r for r in proxy.ranges if r]
+    assert resumed and 0 < int(resumed[0].removeprefix("bytes=").partition("-")[0]) <= 8 << 20

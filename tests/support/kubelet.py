@@ -43,6 +43,7 @@ import copy
 import secrets
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,7 @@ from tests.support.kube_objects import (
     waiting_status,
 )
 from tests.support.pod_env import (
+    GCS_ADDRESS_VARIABLES,
     image_env,
     pod_kubeconfig,
     secret_values,
@@ -153,6 +155,9 @@ class Kubelet:
         # and the metadata server every pod reaches (tests/support/metadata_server.py).
         self.gcs: Any = None
         self.metadata: Any = None
+        # What stands between a pod and GCS (a test's fault-injecting proxy): the pod's GCS
+        # address -> the address it gets instead.
+        self.gcs_front: Callable[[str], str] | None = None
         # The Job controller's backoff between attempts to create a refused pod (its
         # DefaultJobApiBackOff and MaxJobApiBackOff).
         self.create_backoff_seconds = 1.0
@@ -394,6 +399,10 @@ class Kubelet:
             template["spec"],
             self.gcs,
         )
+        if self.gcs_front is not None:
+            for item in container["env"]:
+                if item["name"] in GCS_ADDRESS_VARIABLES and item.get("value"):
+                    item["value"] = self.gcs_front(item["value"])
         container["env"].extend(
             [
                 {"name": "KUBECONFIG", "value": self._pod_kubeconfig(pod, template["spec"])},

@@ -193,6 +193,21 @@ def prefect_server(
         PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="1",
         PREFECT_SERVER_SERVICES_SCHEDULER_RECENT_DEPLOYMENTS_LOOP_SECONDS="1",
         PREFECT_SERVER_LOGGING_LEVEL="WARNING",
+        # Services no test here uses, each a loop (or, for triggers, work on every event):
+        # marking workers offline, runs late, pauses expired, leases and leftovers reclaimed,
+        # automations; and the UI's static files, copied into each new home.
+        **dict.fromkeys(
+            (
+                "PREFECT_SERVER_SERVICES_FOREMAN_ENABLED",
+                "PREFECT_SERVER_SERVICES_LATE_RUNS_ENABLED",
+                "PREFECT_SERVER_SERVICES_PAUSE_EXPIRATIONS_ENABLED",
+                "PREFECT_SERVER_SERVICES_REPOSSESSOR_ENABLED",
+                "PREFECT_SERVER_SERVICES_CLEANUP_RECONCILER_ENABLED",
+                "PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED",
+                "PREFECT_SERVER_UI_ENABLED",
+            ),
+            "false",
+        ),
         **({"PREFECT_SERVER_API_AUTH_STRING": auth_string} if auth_string else {}),
     )
     process = start_prefect(
