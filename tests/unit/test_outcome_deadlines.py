@@ -64,8 +64,19 @@ def _job_with(condition: str, reason: str) -> dict[str, Any]:
 
 # Kueue stops an evicted Job by suspending it (its job reconciler's eviction step).
 SUSPENDED = {"metadata": {"name": "kp-train"}, "spec": {"suspend": True}}
+ADMITTED = {"metadata": {"name": "kp-train"}, "spec": {"suspend": False}}
 FAILED_POD = {
     "metadata": {"name": "kp-train-x7k2p"},
+    "status": {
+        "phase": "Failed",
+        "containerStatuses": [
+            {"name": "task", "state": {"terminated": {"exitCode": 143, "reason": "Error"}}}
+        ],
+    },
+}
+# The same, deleted by the Job controller (a graceful deletion: deletionTimestamp set).
+DELETED_POD = {
+    "metadata": {"name": "kp-train-x7k2p", "deletionTimestamp": "2026-11-27T10:00:00Z"},
     "status": {
         "phase": "Failed",
         "containerStatuses": [
@@ -221,7 +232,7 @@ def _run(
             "l4",
             None,
             [
-                (1.0, {"pod": _running()}),
+                (1.0, {"pod": _running(), "job": ADMITTED}),
                 (50.0, {"job": SUSPENDED}),
                 (52.0, {"pod": FAILED_POD}),
                 (53.0, {"job_gone": True}),
@@ -233,18 +244,47 @@ def _run(
         pytest.param(
             "l4",
             None,
-            [(1.0, {"pod": _running()}), (50.0, {"job": SUSPENDED}), (51.0, {"pod_gone": True})],
+            [(1.0, {"pod": _running(), "job": ADMITTED}), (50.0, {"job": SUSPENDED})],
             200.0,
-            [(50.0, "deleted its Job"), (50.0 + GRACE + 30.0, "concluded: Kueue evicted")],
-            id="an evicted Job whose deletion is not seen ends after the grace and settle margin",
+            [(50.0 + 40.0 * n, "deleted its Job") for n in range(4)],
+            id="an evicted Job not seen gone is deleted again at each settle time, never ended",
         ),
         pytest.param(
             "l4",
             None,
-            [(2.0, {"job": SUSPENDED}), (3.0, {"job_gone": True})],
+            [(1.0, {"job": ADMITTED}), (2.0, {"job": SUSPENDED}), (3.0, {"job_gone": True})],
             200.0,
             [(2.0, "deleted its Job"), (3.0, "concluded: Kueue evicted the Job")],
             id="a Job Kueue suspends before its pod is seen is deleted all the same",
+        ),
+        pytest.param(
+            "l4",
+            None,
+            [(2.0, {"job": SUSPENDED})],
+            200.0,
+            [],
+            id="a Job suspended since its creation (Kueue's webhook) waits in its queue",
+        ),
+        pytest.param(
+            "l4",
+            None,
+            [
+                (1.0, {"pod": _running(), "job": ADMITTED}),
+                (50.0, {"pod": DELETED_POD}),
+                (52.0, {"job": SUSPENDED}),
+                (53.0, {"job_gone": True}),
+            ],
+            200.0,
+            [(52.0, "deleted its Job"), (53.0, "concluded: Kueue evicted the Job")],
+            id="a pod deleted while its Job goes on waits for the Job to say it was evicted",
+        ),
+        pytest.param(
+            "l4",
+            None,
+            [(1.0, {"pod": _running(), "job": ADMITTED}), (50.0, {"pod": DELETED_POD})],
+            200.0,
+            [(55.0, "concluded: 143")],
+            id="a pod deleted while its Job goes on ends as it exited once the settle is up",
         ),
     ],
 )

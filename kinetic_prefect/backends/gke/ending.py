@@ -81,9 +81,14 @@ class JobEnding:
             job.job_gone = True
 
     def _evict(self, job: TrackedJob) -> None:
-        """Kueue evicted the job's Job while its pod ran: delete it (the tracker ends it)."""
-        logger.info("Kueue evicted Job %s while its pod ran; deleting it", job.job_id)
-        self._runtime.spawn(self._delete_job(job))
+        """Kueue evicted the job's Job: delete it; the tracker ends the job once it is gone."""
+        logger.info("Kueue evicted Job %s; deleting it before the task run goes on", job.job_id)
+
+        async def delete() -> None:
+            await self._delete_job(job)  # a 404 marks it gone
+            self._outcomes.evaluate(job)
+
+        self._runtime.spawn(delete())
 
     async def _delete_services(self, job: TrackedJob) -> None:
         try:

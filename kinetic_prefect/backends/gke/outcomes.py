@@ -11,10 +11,13 @@ LocalQueue (suspended) is not pending: both clocks start when it is admitted.
 
 A Job Kueue evicts after admission (preemption: it suspends the Job, whose pods the
 Job controller deletes, and admits it again later) is not left to run again: the Job
-is deleted (Foreground, so its pods go first) and the job ends as preempted only once
-the Job is gone, so the runner's next attempt, on the preemption budget, never runs
-beside this one's pod, and no suspended Job is left behind. Whether its pod had started
-is not asked: the pod watch may not have shown it yet when the Job's suspension arrives.
+is deleted (Foreground, so its pods go first, and asked again until it is seen gone)
+and the job ends as preempted only once the Job is gone, so the runner's next attempt,
+on the preemption budget, never runs beside this one's pod, and no suspended Job is
+left behind. Whether its pod had started is not asked: the pod watch may not have
+shown it yet when the Job's suspension arrives. A pod deleted while its Job goes on
+waits for the Job's side of the story, which may name the eviction. A Job suspended
+since its creation (never seen unsuspended) is waiting in a queue, not evicted.
 
 A pod waiting for capacity that exists (nodes of its kind busy, or a node being
 added: `status.Pending.waits_for_capacity`) is queued, not pending: that time does
@@ -123,7 +126,13 @@ class OutcomeTracker:
         if job.job is None or job.job_gone:
             return
         if suspended(job.job):
-            if job.admitted_at is None or job.evicted or job.cancelled:
+            if job.evicted or job.cancelled:
+                return
+            if not job.seen_unsuspended:
+                # Suspended since its creation (Kueue's webhook queues Jobs created
+                # without a queue name where its configuration says so): it waits.
+                if job.admitted_at is not None:
+                    self._queued(job)
                 return
             job.evicted = True
             # Its end is the Job's deletion; a settle begun on the pod's exit is void.
@@ -131,7 +140,10 @@ class OutcomeTracker:
             self.poke()
             if self._evict is not None:
                 self._evict(job)
-        elif job.admitted_at is None:
+        else:
+            job.seen_unsuspended = True
+            if job.admitted_at is not None:
+                return
             self._admitted(job, self._clock())
             queue = queue_name_of(job.job)
             if queue:
@@ -157,15 +169,23 @@ class OutcomeTracker:
                 self._conclude_as_known(job)
             return
         pod = job.pod
-        if pod_phase(pod) in {"Succeeded", "Failed"}:
-            self._conclude(job, *pod_outcome(pod, job.job))
-            return
         ended = bool(
             job.job_gone
             or true_condition(job.job, "Complete")
             or true_condition(job.job, "Failed")
             or true_condition(job.job, "FailureTarget")
         )
+        if pod_phase(pod) in {"Succeeded", "Failed"}:
+            deleted = bool(((pod or {}).get("metadata") or {}).get("deletionTimestamp"))
+            if deleted and not ended and not job.cancelled:
+                # Deleted while its Job goes on (the Job suspended by an eviction, whose
+                # event may come later on the other stream): the Job's side says why.
+                if job.settle_by is None:
+                    job.settle_by = self._clock() + self.intervals.pod_gone_settle_seconds
+                    self.poke()
+                return
+            self._conclude(job, *pod_outcome(pod, job.job))
+            return
         if pod is None and true_condition(job.job, "Complete"):
             self._conclude(job, 0, None, "")
             return
@@ -215,7 +235,8 @@ class OutcomeTracker:
         code, sig, reason = pod_outcome(job.pod, job.job)
         if job.evicted:
             code, sig, reason = None, None, EVICTED_REASON
-        if not reason and not job.cancelled:
+        ended_itself = pod_phase(job.pod) in {"Succeeded", "Failed"}
+        if not reason and not job.cancelled and not ended_itself:
             if job.pod_gone:
                 reason = "the pod was deleted before it finished"
             elif job.pod is None and job.job_gone:
@@ -253,6 +274,14 @@ class OutcomeTracker:
     def _tick(self, job: TrackedJob, now: float) -> float | None:
         if job.done or not job.created:
             return None
+        if job.evicted:
+            # It ends when its Job is seen gone; until then its delete is asked again at
+            # every settle time (a delete the API refused, a deletion the watch missed).
+            if job.settle_by is not None and now >= job.settle_by:
+                job.settle_by = now + self.settle_seconds()
+                if self._evict is not None:
+                    self._evict(job)
+            return job.settle_by
         moments: list[float] = []
         if job.settle_by is not None:
             if now >= job.settle_by:

@@ -76,6 +76,8 @@ class TrackedJob:
     job: dict[str, Any] | None = None
     job_gone: bool = False
     cancelled: bool = False
+    # The watch has seen its Job unsuspended (admitted, for a Job of a Kueue queue).
+    seen_unsuspended: bool = False
     # Kueue evicted its admitted Job while the pod ran (it suspended the Job): the Job is
     # deleted, and the job ends as preempted once it is gone (`OutcomeTracker`).
     evicted: bool = False
