@@ -220,6 +220,21 @@ class Retries:
     budget_seconds: float = 30.0
 
 
+async def get_json(api: Any, path: str, path_params: dict[str, str] | None = None) -> Any:
+    """GET `path` (its `{name}`s from `path_params`) as JSON, for APIs without a typed client."""
+    return await read_json(
+        await api.call_api(
+            path,
+            "GET",
+            path_params or {},
+            [],
+            {"Accept": "application/json"},
+            auth_settings=["BearerToken"],
+            _preload_content=False,
+        )
+    )
+
+
 def is_transient(exc: BaseException) -> bool:
     """Whether the same request may succeed later: 429, 5xx, a lost connection, a timeout."""
     if isinstance(exc, ApiException):

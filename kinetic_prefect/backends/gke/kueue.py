@@ -35,7 +35,7 @@ from typing import Any
 from kubernetes_asyncio.client.exceptions import ApiException
 from prefect.logging import get_logger
 
-from kinetic_prefect.backends.gke.client import api_error_message, read_json
+from kinetic_prefect.backends.gke.client import api_error_message, get_json, read_json
 from kinetic_prefect.backends.gke.status import queue_name_of, true_condition
 from kinetic_prefect.backends.gke.watch import TrackedJob
 from kinetic_prefect.common.intervals import Intervals
@@ -196,15 +196,7 @@ class QueueReader:
         """The version of `group` to speak (discovery, read once); None when not served."""
         if group not in self._versions:
             try:
-                document = await read_json(
-                    await api.call_api(
-                        f"/apis/{group}",
-                        "GET",
-                        header_params={"Accept": "application/json"},
-                        auth_settings=["BearerToken"],
-                        _preload_content=False,
-                    )
-                )
+                document = await get_json(api, f"/apis/{group}")
             except ApiException as exc:
                 if exc.status != 404:
                     raise
@@ -257,16 +249,10 @@ class QueueReader:
             version = await self._version(api, VISIBILITY_GROUP)
             if version is None:
                 raise ApiException(status=404, reason=f"{VISIBILITY_GROUP} is not served")
-            summary = await read_json(
-                await api.call_api(
-                    PENDING_WORKLOADS_PATH,
-                    "GET",
-                    {"namespace": namespace, "name": queue, "version": version},
-                    [],
-                    {"Accept": "application/json"},
-                    auth_settings=["BearerToken"],
-                    _preload_content=False,
-                )
+            summary = await get_json(
+                api,
+                PENDING_WORKLOADS_PATH,
+                {"namespace": namespace, "name": queue, "version": version},
             )
         except ApiException as exc:
             logger.info(
