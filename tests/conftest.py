@@ -169,9 +169,10 @@ ENVIRONMENTS_BUCKET = "kp-environments"
 def suite_environment(gcs_server: str, shipped_requirements: Path) -> str:
     """The suite's one shipped environment, in this GCS server's environments bucket.
 
-    Built (or found in this machine's cache) and uploaded before the first gke
-    test, so no test's timing includes the upload; the tests still go through
-    the same lookup, and every pod still unpacks or finds it on its node.
+    The thin stand-in for the environment the suite's tasks plan
+    (tests/support/thin_environment.py), uploaded before the first gke test; the
+    tests still go through the same lookup, and every pod still downloads, checks
+    and unpacks it, or finds and verifies it on its node.
     """
     with pytest.MonkeyPatch.context() as patch:
         return upload_suite_environment(gcs_server, shipped_requirements, patch.setenv)
@@ -180,12 +181,13 @@ def suite_environment(gcs_server: str, shipped_requirements: Path) -> str:
 def upload_suite_environment(
     gcs_server: str, requirements: Path, setenv: Callable[[str, str], None]
 ) -> str:
-    """Build or find the environment of `requirements` and upload it, as an administrator."""
+    """Upload the thin environment of `requirements`' plan, as an administrator."""
     from google.api_core.exceptions import Conflict
 
     from kinetic_prefect.backends.environments import ENVIRONMENTS
     from kinetic_prefect.common import gcs as kgcs
     from kinetic_prefect.launch.accelerators import parse_accelerator
+    from tests.support.thin_environment import publish_thin_environment
 
     setenv("STORAGE_EMULATOR_HOST", gcs_server)
     kgcs._clients.clear()
@@ -197,7 +199,7 @@ def upload_suite_environment(
         requirements=str(requirements),
         extras=(),
     )
-    ENVIRONMENTS.ensure(plan, kgcs.GcsStore(f"gs://{ENVIRONMENTS_BUCKET}"), None)
+    publish_thin_environment(plan, kgcs.GcsStore(f"gs://{ENVIRONMENTS_BUCKET}"))
     kgcs._clients.clear()
     return f"gs://{ENVIRONMENTS_BUCKET}"
 

@@ -32,6 +32,7 @@ from tests.support.gcs import FaultInjectingProxy
 from tests.support.kube import NAMESPACE
 from tests.support.kube_admission import AUTOPILOT
 from tests.support.metadata_server import MetadataServer
+from tests.support.thin_environment import publish_thin_environment
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -100,7 +101,11 @@ def test_a_sweep_completes_when_the_metadata_server_is_slow_to_answer_new_pods(
 # cores with the rest of the suite running (the suite's 900 s backstop applies).
 @pytest.mark.slow
 def test_a_new_environment_is_built_by_a_builder_job_with_the_key_the_local_builder_gives(
-    gke: str, cluster: KubeCluster, gcs: object, monkeypatch: pytest.MonkeyPatch
+    gke: str,
+    cluster: KubeCluster,
+    gcs: object,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
 ) -> None:
     """The builder Job installs from the package index with uv, as on a cluster.
 
@@ -108,6 +113,9 @@ def test_a_new_environment_is_built_by_a_builder_job_with_the_key_the_local_buil
     wheels are not downloaded again; what it installs and packs is the builder's own work.
     """
     monkeypatch.setattr(environments, "ENVIRONMENTS", Environments())
+    # A node of its own: the shared test node holds the suite's thin environment under the
+    # same key, which pods of other cases may be running on.
+    cluster.kubelet.local.node_root = tmp_path / "node"
     uv_cache = os.environ.get("UV_CACHE_DIR") or str(Path.home() / ".cache" / "uv")
     # This machine reaches the package index through a proxy whose CA only its own
     # trust store has: the builder pod is told to trust it, as an image would be.
@@ -156,7 +164,7 @@ def test_an_archive_changed_after_upload_is_refused_in_the_pod(
 
     # A store of its own holding the suite's environment, whose archive is then replaced.
     plan = plan_environment(REPO, parse_accelerator("cpu"), str(SHIPPED_REQUIREMENTS), extras=())
-    shipped = build_locally(plan, GcsStore(gcs.uri))  # type: ignore[attr-defined]
+    shipped = publish_thin_environment(plan, GcsStore(gcs.uri))  # type: ignore[attr-defined]
     archive = shipped.archive_uri.removeprefix(f"gs://{gcs.name}/")  # type: ignore[attr-defined]
     bucket = gcs.client.bucket(gcs.name)  # type: ignore[attr-defined]
     bucket.blob(archive).upload_from_string(b"not the environment that was built")
@@ -303,22 +311,29 @@ def test_the_next_flow_run_reuses_the_environment_an_earlier_one_unpacked_and_st
 
 
 def test_an_environment_download_reset_mid_body_resumes_and_the_task_runs(
-    gke: str, cluster: KubeCluster, tmp_path: Path
+    gke: str, cluster: KubeCluster, gcs: object, tmp_path: Path
 ) -> None:
-    # A node of its own, so the pod downloads its environment; a proxy in front of GCS
-    # resets the first object download after 8 MiB of its body.
+    from kinetic_prefect.common.gcs import GcsStore
+
+    # An archive of a few reads (4 MiB), in a store of this test's own; a node of its own,
+    # so the pod downloads it; a proxy in front of GCS resets the first object download
+    # (the archive) after 1.5 MiB of its body.
+    reset_after = 3 << 19
+    plan = plan_environment(REPO, parse_accelerator("cpu"), str(SHIPPED_REQUIREMENTS), extras=())
+    shipped = publish_thin_environment(plan, GcsStore(gcs.uri), ballast=4 << 20)  # type: ignore[attr-defined]
+    assert shipped.size > 2 * reset_after
     cluster.kubelet.local.node_root = tmp_path / "node"
     fronts: dict[str, FaultInjectingProxy] = {}
 
     def front(address: str) -> str:
         if address not in fronts:
-            fronts[address] = FaultInjectingProxy(address, every=None, reset_after=8 << 20)
+            fronts[address] = FaultInjectingProxy(address, every=None, reset_after=reset_after)
             fronts[address].__enter__()
         return fronts[address].url
 
     cluster.kubelet.gcs_front = front
 
-    @flow(task_runner=_runner(gke))
+    @flow(task_runner=_runner(gke, environment_store=gcs.uri))  # type: ignore[attr-defined]
     def once() -> int:
         return squared.submit(6).result()
 
@@ -331,4 +346,4 @@ def test_an_environment_download_reset_mid_body_resumes_and_the_task_runs(
     (proxy,) = fronts.values()
     assert proxy.resets == 1
     resumed = [r for r in proxy.ranges if r]
-    assert resumed and 0 < int(resumed[0].removeprefix("bytes=").partition("-")[0]) <= 8 << 20
+    assert resumed and 0 < int(resumed[0].removeprefix("bytes=").partition("-")[0]) <= reset_after

@@ -16,8 +16,8 @@ application-default login` give them.
 What is this machine's and not a step: the pods reach the test's Prefect server
 on a loopback address (KINETIC_ALLOW_LOOPBACK_API), your GCS credentials are the
 proxy's port for `user:YOU@EXAMPLE.COM`, and the environment the pods ship is
-the suite's one (its requirements, built here, kept in its store), as in every
-gke test.
+the suite's one (its requirements' plan, the thin stand-in of
+tests/support/thin_environment.py, kept in its store), as in every gke test.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Keep the suite's environment caches on this machine from growing run after run.
 
-Each commit changes the kinetic-prefect wheel, so each run of the suite builds and
-unpacks a new shipped environment (about 400 MB archived, 1.3 GB unpacked on each
-node cache). The suite reuses them across runs on purpose; at the start of a run it
-keeps only the newest few of each cache.
+Each commit changes the kinetic-prefect wheel, so each run of the suite builds a new
+shipped environment (about 400 MB archived, 1.3 GB unpacked where a case unpacks it)
+and unpacks the thin stand-in of tests/support/thin_environment.py under a new key.
+The suite reuses them across runs on purpose; at the start of a run it keeps only the
+newest few of each cache.
 """
 
 from __future__ import annotations

@@ -547,7 +547,7 @@ def gke_pool_worker(stack: Stack, gcs: Any, worker_dir: Path) -> Iterator[Any]:
             service_account=pods_account,
             result_storage=GcsBucket.load(deployed_flows.GKE_RESULTS),
             env=gcs.pod_env,
-            # The suite's one shipped environment (tests/conftest.py), built here.
+            # The suite's one shipped environment (tests/conftest.py: its thin stand-in).
             requirements=str(SHIPPED_REQUIREMENTS),
             environment_builder="local",
             environment_store=gcs.environment_store,
