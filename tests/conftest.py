@@ -14,6 +14,10 @@ os.environ.setdefault("PREFECT_LOGGING_TO_API_BATCH_INTERVAL", "0.3")
 # derived from it, and pods of one worker would refuse, and unpack again, what another's
 # unpacked on the shared test node.
 os.environ.setdefault("KINETIC_RECORD_KEY", "kinetic-prefect test suite master record key")
+# Prefect clients of this process and the processes it starts (tests/support/prefect_ca.py).
+from tests.support.prefect_ca import one_certificate_ca_file  # noqa: E402
+
+os.environ.setdefault("PREFECT_API_SSL_CERT_FILE", one_certificate_ca_file())
 # The suite's intervals (docs/intervals.md's last column): this process, the flow processes
 # and workers it starts, and through their manifests every pod, wait this long.
 os.environ["KINETIC_INTERVALS"] = json.dumps(
