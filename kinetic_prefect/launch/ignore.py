@@ -309,6 +309,8 @@ class PackageFile:
     path: Path
     size: int
     executable: bool
+    # Its mtime and ctime (ns) when listed: any write since changes the ctime.
+    stamp: tuple[int, int] = (0, 0)
 
 
 def git_listing(root: Path) -> list[str] | None:
@@ -435,6 +437,7 @@ def iter_package_files(root: Path, extra_excludes: Collection[str] = ()) -> Iter
                 if stat.S_ISREG(status.st_mode):
                     executable = bool(status.st_mode & 0o111)
                     where = source or Path(path)
-                    found.append(PackageFile(relative, where, status.st_size, executable))
+                    stamp = (status.st_mtime_ns, status.st_ctime_ns)
+                    found.append(PackageFile(relative, where, status.st_size, executable, stamp))
     found.sort(key=lambda f: f.relative)
     yield from found

@@ -189,7 +189,11 @@ def oversize_report(root: Path, files: Sequence[PackageFile], limits: ArchiveLim
 
 @dataclass(frozen=True)
 class CodeArchive:
-    """A code archive in a temporary file (removed once the archive is dropped) and its sha256."""
+    """A code archive in a temporary file and its sha256.
+
+    The file is removed once the archive is dropped; `build_context_zip` keeps the last
+    one of each root until a newer one replaces it.
+    """
 
     path: Path
     sha256: str
@@ -237,7 +241,9 @@ def build_context_zip(
     the settings' defaults). Entries
     are sorted, timestamps fixed and modes reduced to 644/755, so the same content
     always gives the same bytes and the same sha256. The zip is written to a
-    temporary file, never held in memory.
+    temporary file, never held in memory. Asked again for a root whose listing has not
+    changed since (no file added, removed or written: the ctimes are the same), it
+    returns the archive it built then.
 
     Example:
         ```python
@@ -248,6 +254,26 @@ def build_context_zip(
     report = oversize_report(root, files, limits or ArchiveLimits.of(LaunchSettings()))
     if report is not None:
         raise PayloadError(report)
+    # A flow run again in the same process (a notebook's next cell, a sweep of flow runs)
+    # with no file added, removed or written since: the archive built then.
+    where = (root.resolve(), tuple(sorted(extra_excludes)))
+    listing = tuple((f.relative, f.path, f.size, f.executable, f.stamp) for f in files)
+    with _LAST_BUILT_LOCK:
+        last = _LAST_BUILT.get(where)
+    if last is not None and last[0] == listing and last[1].path.is_file():
+        return last[1]
+    archive = _zip(files)
+    with _LAST_BUILT_LOCK:
+        _LAST_BUILT[where] = (listing, archive)
+    return archive
+
+
+# The last archive built of each (root, excludes), with the listing it was built from.
+_LAST_BUILT: dict[tuple[Path, tuple[str, ...]], tuple[tuple[Any, ...], CodeArchive]] = {}
+_LAST_BUILT_LOCK = threading.Lock()
+
+
+def _zip(files: Sequence[PackageFile]) -> CodeArchive:
     descriptor, name = tempfile.mkstemp(prefix="kinetic-code-", suffix=".zip")
     try:
         with os.fdopen(descriptor, "w+b") as handle:

@@ -59,6 +59,7 @@ def test_pods_get_only_the_allowlisted_prefect_settings():
 
     assert sorted(env) == [
         "KINETIC_SECRET_SETTING_PATHS",
+        "PREFECT_API_SSL_CERT_FILE",  # set by tests/conftest.py
         "PREFECT_API_URL",
         "PREFECT_CLIENT_MAX_RETRIES",  # set by tests/conftest.py
         "PREFECT_LOGGING_LEVEL",

@@ -242,11 +242,35 @@ def test_a_private_key_under_any_name_is_left_out_by_its_header_and_logged(
     assert any("deploy_key" in m and "private-key header" in m for m in left_out)
 
 
-def test_the_archive_is_a_temporary_file_removed_with_it(tmp_path: Path):
+def test_the_archive_is_a_temporary_file_removed_once_a_newer_one_of_its_root_replaces_it(
+    tmp_path: Path,
+):
     archive = build_context_zip(_tree(tmp_path))
     path = archive.path
-
     assert path.is_file() and path.stat().st_size == archive.size
+
+    (tmp_path / "pkg" / "model.py").write_text("changed")
+    newer = build_context_zip(tmp_path)
     del archive
     gc.collect()
-    assert not path.exists()
+
+    assert newer.path != path and not path.exists()
+
+
+def test_a_root_unchanged_since_its_last_archive_is_not_zipped_again_and_any_write_is_seen(
+    tmp_path: Path,
+):
+    first = build_context_zip(_tree(tmp_path))
+    again = build_context_zip(tmp_path)
+    assert again.path == first.path  # the same file: nothing zipped
+
+    # Same size, mtime put back: the ctime still changes with the write.
+    model = tmp_path / "pkg" / "model.py"
+    before = model.stat()
+    model.write_text("pkg/modeX.py")
+    os.utime(model, ns=(before.st_atime_ns, before.st_mtime_ns))
+    rewritten = build_context_zip(tmp_path)
+
+    assert rewritten.sha256 != first.sha256
+    with zipfile.ZipFile(rewritten.path) as zipped:
+        assert zipped.read("pkg/model.py") == b"pkg/modeX.py"
