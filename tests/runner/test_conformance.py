@@ -164,6 +164,10 @@ def test_cancel_all_stops_running_and_waiting_task_runs_and_then_refuses_new_wor
         waiting = wait_for_file.submit(str(workdir / "never"))
         downstream = plus_one.submit(waiting)
         runner.cancel_all()
+        # Resolved by the time cancel_all returns (the API learns the states from events,
+        # later: the grace case above reads those).
+        for future in (waiting, downstream):
+            future.wait(timeout=0)
         cancelled = [waiting.state.type.value, downstream.state.type.value]
         with pytest.raises(RuntimeError) as refused:
             plus_one.submit(41)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import fcntl
 import http.client
 import http.server
 import json
 import socket
 import struct
 import subprocess
+import termios
 import threading
 import urllib.request
 from collections.abc import Iterator
@@ -72,6 +74,12 @@ def fake_gcs_server() -> Iterator[str]:
     finally:
         process.terminate()
         process.wait(timeout=10)
+
+
+def _unacknowledged(connection: socket.socket) -> int:
+    """Bytes of `connection`'s send queue its peer has not acknowledged (Linux `SIOCOUTQ`)."""
+    queued = fcntl.ioctl(connection.fileno(), termios.TIOCOUTQ, struct.pack("i", 0))
+    return int(struct.unpack("i", queued)[0])
 
 
 class FaultInjectingProxy:
@@ -146,6 +154,10 @@ class FaultInjectingProxy:
             def _reset_after(self, sent: bytes) -> None:
                 self.wfile.write(sent)
                 self.wfile.flush()
+                # A reset discards what the send queue still holds: wait until the client
+                # has acknowledged every byte, so it receives all of `sent` before the
+                # reset, as a connection lost after that point would leave it.
+                wait_until(lambda: _unacknowledged(self.connection) == 0, 60, "the body's ACKs")
                 # Linger on, with a zero timeout: close() sends RST, not FIN.
                 self.connection.setsockopt(
                     socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)

@@ -7,11 +7,12 @@ the packages of that file the suite lacks. Built for real it is 393 MB packed: b
 CPU per unpack and a minute per build, and most gke cases test something else.
 
 So the suite publishes, under the plan's key and in the store's layout, a directory that
-holds those missing packages, the build's spec, and a link to each entry of the suite's
-site-packages. The product then finds it, downloads it, checks its digest, unpacks it,
-verifies and prunes node copies, and plans a flow pod's task environments from its spec,
-as it does the real one. What the real archive holds is tested where it is built: the
-builder Job case of tests/environments/test_gke_ship.py and tests/environments/test_local_ship.py.
+holds those missing packages, the build's spec, a link to each entry of the suite's
+site-packages, and the bytecode of its top-level modules. The product then finds it,
+downloads it, checks its digest, unpacks it, verifies and prunes node copies, and plans a
+flow pod's task environments from its spec, as it does the real one. What the real
+archive holds is tested where it is built: the builder Job case of
+tests/environments/test_gke_ship.py and tests/environments/test_local_ship.py.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import os
 import py_compile
 import random
 import subprocess
+import sys
 import sysconfig
 import tempfile
 from importlib import metadata
@@ -85,16 +87,25 @@ def _link_suite_packages(target: Path) -> None:
     the project), so its package is linked from the project.
     """
     site_packages = Path(sysconfig.get_paths()["purelib"])
-    for entry in site_packages.iterdir():
+    for entry in sorted(site_packages.iterdir()):
         link = target / entry.name
-        if entry.suffix == ".pth":
+        if entry.suffix == ".pth" or entry.name == "__pycache__" or link.exists():
             continue
-        if link.is_dir() and entry.is_dir():  # `__pycache__`, where modules of both compiled
-            for inner in entry.iterdir():
-                if not (link / inner.name).exists():
-                    (link / inner.name).symlink_to(inner)
-        elif not link.exists():
-            link.symlink_to(entry)
+        link.symlink_to(entry)
+        if entry.suffix == ".py":
+            # A top-level module's bytecode goes beside the link (a pod writing it would
+            # change the node's copy), made from the source alone: the suite's own
+            # `__pycache__` gains files as processes run, and every worker must pack the
+            # same bytes.
+            py_compile.compile(
+                str(entry),
+                cfile=str(
+                    target / "__pycache__" / f"{entry.stem}.{sys.implementation.cache_tag}.pyc"
+                ),
+                dfile=f"/environment/{entry.name}",
+                doraise=True,
+                invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH,
+            )
     (project_package,) = kinetic_prefect.__path__
     (target / "kinetic_prefect").symlink_to(project_package)
 
