@@ -22,6 +22,7 @@ import shutil
 import sys
 import tempfile
 import threading
+import time
 import weakref
 import zipfile
 from collections import Counter
@@ -250,6 +251,7 @@ def build_context_zip(
         archive = build_context_zip(Path("."), limits=ArchiveLimits(50_000_000, 5_000))
         ```
     """
+    listed_at = time.time_ns()
     files = list(iter_package_files(root, extra_excludes))
     report = oversize_report(root, files, limits or ArchiveLimits.of(LaunchSettings()))
     if report is not None:
@@ -263,14 +265,24 @@ def build_context_zip(
     if last is not None and last[0] == listing and last[1].path.is_file():
         return last[1]
     archive = _zip(files)
+    # A file written within a timestamp's granularity of the listing (a kernel tick, or a
+    # network file system's caching) could change again unseen: such a listing is not kept.
+    newest = max((max(f.stamp) for f in files), default=0)
     with _LAST_BUILT_LOCK:
-        _LAST_BUILT[where] = (listing, archive)
+        _LAST_BUILT.pop(where, None)
+        if newest < listed_at - _RACY_NS:
+            _LAST_BUILT[where] = (listing, archive)
+            while len(_LAST_BUILT) > _LAST_BUILT_ROOTS:
+                del _LAST_BUILT[next(iter(_LAST_BUILT))]
     return archive
 
 
-# The last archive built of each (root, excludes), with the listing it was built from.
+# The last archive built of each (root, excludes), with the listing it was built from: the
+# most recent few roots only, each a temporary file.
 _LAST_BUILT: dict[tuple[Path, tuple[str, ...]], tuple[tuple[Any, ...], CodeArchive]] = {}
 _LAST_BUILT_LOCK = threading.Lock()
+_LAST_BUILT_ROOTS = 8
+_RACY_NS = 2_000_000_000
 
 
 def _zip(files: Sequence[PackageFile]) -> CodeArchive:

@@ -418,7 +418,13 @@ def _download_and_unpack(archive_uri: str, sha256: str, cache: Path, target: Pat
         (unpacked / UNPACKED_MARKER).write_text(json.dumps(marker))
         size = sum(stat[0] for stat in marker["files"].values())  # type: ignore[attr-defined]
         (cache / f".{target.name}.size").write_text(str(size))
-        shutil.rmtree(target, ignore_errors=True)  # a partial copy of an interrupted pod
+        if target.exists():
+            # A refused copy (or a partial one of an interrupted pod) leaves by a rename, not
+            # by deleting it in place: pods started on it may still be importing from it,
+            # and the new copy takes its name at once.
+            doomed = Path(tempfile.mkdtemp(prefix=f".{target.name[:12]}{_REMOVED}", dir=cache))
+            os.rename(target, doomed / target.name)
+            _delete_behind([doomed])
         os.rename(unpacked, target)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -166,6 +166,7 @@ def test_cancel_all_stops_running_and_waiting_task_runs_and_then_refuses_new_wor
         runner.cancel_all()
         # Resolved by the time cancel_all returns (the API learns the states from events,
         # later: the grace case above reads those).
+        assert all(future.wrapped_future.done() for future in (waiting, downstream))
         for future in (waiting, downstream):
             future.wait(timeout=0)
         cancelled = [waiting.state.type.value, downstream.state.type.value]

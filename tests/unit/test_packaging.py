@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from kinetic_prefect.errors import PayloadError
+from kinetic_prefect.launch import packaging
 from kinetic_prefect.launch.ignore import git_listing
 from kinetic_prefect.launch.packaging import (
     build_context_zip,
@@ -258,8 +259,10 @@ def test_the_archive_is_a_temporary_file_removed_once_a_newer_one_of_its_root_re
 
 
 def test_a_root_unchanged_since_its_last_archive_is_not_zipped_again_and_any_write_is_seen(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
+    # Files written just now count as settled (the next case keeps the default window).
+    monkeypatch.setattr(packaging, "_RACY_NS", -(10**12))
     first = build_context_zip(_tree(tmp_path))
     again = build_context_zip(tmp_path)
     assert again.path == first.path  # the same file: nothing zipped
@@ -274,3 +277,10 @@ def test_a_root_unchanged_since_its_last_archive_is_not_zipped_again_and_any_wri
     assert rewritten.sha256 != first.sha256
     with zipfile.ZipFile(rewritten.path) as zipped:
         assert zipped.read("pkg/model.py") == b"pkg/modeX.py"
+
+
+def test_a_root_with_a_file_written_within_the_timestamp_window_is_zipped_again(tmp_path: Path):
+    first = build_context_zip(_tree(tmp_path))  # every file written a moment ago
+    again = build_context_zip(tmp_path)
+
+    assert again.path != first.path and again.sha256 == first.sha256
