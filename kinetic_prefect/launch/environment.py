@@ -556,18 +556,22 @@ def build_locally(plan: EnvironmentPlan, store: JobsStore) -> ShippedEnvironment
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not manifest_path.is_file():
             _build_here(plan, built)
-    manifest = json.loads(manifest_path.read_text())
     upload_spec(plan, store)  # its wheels: a flow pod plans its tasks' environments from them
-    archive = built / ARCHIVE_FILE
+    return publish_archive(plan.key, store, built / ARCHIVE_FILE, manifest_path.read_bytes())
+
+
+def publish_archive(
+    key: str, store: JobsStore, archive: Path, manifest_bytes: bytes
+) -> ShippedEnvironment:
+    """Upload a built environment's archive and manifest, then its marker (it is ready)."""
+    manifest = json.loads(manifest_bytes)
     with open(archive, "rb") as stream:
-        archive_uri = store.put_stream(
-            env_key(plan.key, ARCHIVE_FILE), stream, archive.stat().st_size
-        )
-    store.put_bytes(env_key(plan.key, MANIFEST_FILE), manifest_path.read_bytes())
+        archive_uri = store.put_stream(env_key(key, ARCHIVE_FILE), stream, archive.stat().st_size)
+    store.put_bytes(env_key(key, MANIFEST_FILE), manifest_bytes)
     marker = {k: manifest[k] for k in ("sha256", "size", "files")}
-    store.put_bytes(env_key(plan.key, MARKER_FILE), json.dumps(marker).encode())
+    store.put_bytes(env_key(key, MARKER_FILE), json.dumps(marker).encode())
     return ShippedEnvironment(
-        plan.key, archive_uri, manifest["sha256"], manifest["size"], manifest["files"]
+        key, archive_uri, manifest["sha256"], manifest["size"], manifest["files"]
     )
 
 

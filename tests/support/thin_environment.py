@@ -34,11 +34,9 @@ from kinetic_prefect.common.storage import JobsStore
 from kinetic_prefect.launch.environment import (
     ARCHIVE_FILE,
     ENV_SPEC_FILE,
-    MANIFEST_FILE,
-    MARKER_FILE,
     EnvironmentPlan,
     ShippedEnvironment,
-    env_key,
+    publish_archive,
     upload_spec,
 )
 from kinetic_prefect.pod import bootstrap
@@ -140,11 +138,10 @@ def publish_thin_environment(
             os.utime(path, (_MTIME, _MTIME), follow_symlinks=False)
         archive = Path(scratch) / ARCHIVE_FILE
         sha256, files = bootstrap.pack(target, archive)
-        size = archive.stat().st_size
         manifest = {
             "key": plan.key,
             "sha256": sha256,
-            "size": size,
+            "size": archive.stat().st_size,
             "files": files,
             "python": plan.python,
             "platform": plan.platform,
@@ -152,9 +149,4 @@ def publish_thin_environment(
             "wheels": plan.spec()["wheels"],
             "built_by": BUILT_BY,
         }
-        with open(archive, "rb") as stream:
-            archive_uri = store.put_stream(env_key(plan.key, ARCHIVE_FILE), stream, size)
-    store.put_bytes(env_key(plan.key, MANIFEST_FILE), json.dumps(manifest, indent=1).encode())
-    marker = {"sha256": sha256, "size": size, "files": files}
-    store.put_bytes(env_key(plan.key, MARKER_FILE), json.dumps(marker).encode())
-    return ShippedEnvironment(plan.key, archive_uri, sha256, size, files)
+        return publish_archive(plan.key, store, archive, json.dumps(manifest, indent=1).encode())
