@@ -101,11 +101,16 @@ def test_a_pod_asking_for_an_accelerator_no_node_pool_has_fails_naming_its_pendi
     state, message, _ = _failed_run(runner, echo)
 
     assert state == "FAILED"
-    assert "didn't match Pod's node affinity/selector" in message
+    # GKE's GPU taint turns the TPU pod away from the L4 nodes, the default pool's node
+    # does not match its selector.
+    assert (
+        "0/5 nodes are available: 1 node(s) didn't match Pod's node affinity/selector, "
+        "4 node(s) had untolerated taint(s)."
+    ) in message
     assert "accelerator tpu-v5e-4 needs a node with" in message
     assert (
         "(cluster autoscaler: pod didn't trigger scale-up (it wouldn't fit if a new node is "
-        "added): 1 node(s) didn't match Pod's node affinity/selector)"
+        "added): 1 node(s) had untolerated taint(s))"
     ) in message
     assert f"longer than pending_timeout_seconds={PENDING_TIMEOUT:g}" in message
     wait_until(lambda: cluster.jobs() == [], 30, "the Job to be deleted")

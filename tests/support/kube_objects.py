@@ -13,6 +13,22 @@ import datetime
 from dataclasses import dataclass, field
 from typing import Any
 
+from tests.support.gke_machines import (
+    GPU_RESOURCE,
+    INSTANCE_TYPE_LABEL,
+    MACHINES,
+    NODE_POOL_LABEL,
+    POOL_SHAPES,
+    SPOT_LABEL,
+    allocatable,
+    extended_resources,
+    quantity,
+    system_requests,
+    tolerates,
+)
+
+__all__ = ["INSTANCE_TYPE_LABEL", "NODE_POOL_LABEL"]
+
 _SCHEDULED = {"type": "PodScheduled", "status": "True"}
 
 
@@ -20,11 +36,8 @@ def now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-NODE_POOL_LABEL = "cloud.google.com/gke-nodepool"
-INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
-# What GKE leaves to pods on an e2-standard-8 (8 vCPU, 32 GiB): cpu-only nodes.
-_DEFAULT_CPU_MILLICORES = 7910
-_DEFAULT_MEMORY_MIB = 28360
+# The default cluster's node when a test sets none: an e2-standard-8 of the default pool.
+_DEFAULT_CPU_MILLICORES, _DEFAULT_MEMORY_MIB = allocatable(MACHINES["e2-standard-8"])
 
 
 @dataclass
@@ -32,10 +45,12 @@ class Node:
     """A node the kubelet's scheduler can place pods on.
 
     `allocatable` holds extended resources (google.com/tpu, nvidia.com/gpu); cpu and
-    memory are `cpu_millicores` and `memory_mib`. The pods bound to it use them up
-    (`used`, in the units of `_amount`) until they end. An `unlimited` node (the default
-    cluster's one) stands for a cluster big enough for any test: pods share it without
-    using it up, and the scheduler only checks that one pod fits.
+    memory are `cpu_millicores` and `memory_mib`. Its system DaemonSets' pods hold
+    `system` of them (in the units of `_amount`), and the pods bound to it use them up
+    (`used`) until they end. A pod lands only where it tolerates every NoSchedule
+    `taint`. An `unlimited` node (the default cluster's one) stands for a cluster big
+    enough for any test: pods share it without using it up, and the scheduler only
+    checks that one pod fits.
     """
 
     name: str = "node-1"
@@ -44,17 +59,44 @@ class Node:
     cpu_millicores: int = _DEFAULT_CPU_MILLICORES
     memory_mib: int = _DEFAULT_MEMORY_MIB
     unlimited: bool = False
+    taints: list[dict[str, str]] = field(default_factory=list)
+    system: dict[str, int] = field(default_factory=dict)
     used: dict[str, int] = field(default_factory=dict)
 
     def as_object(self) -> dict[str, Any]:
-        allocatable = {k: str(v) for k, v in self.allocatable.items()}
-        allocatable.update(cpu=f"{self.cpu_millicores}m", memory=f"{self.memory_mib}Mi")
+        resources = {k: str(v) for k, v in self.allocatable.items()}
+        resources.update(cpu=f"{self.cpu_millicores}m", memory=f"{self.memory_mib}Mi")
         return {
             "apiVersion": "v1",
             "kind": "Node",
             "metadata": {"name": self.name, "labels": self.labels},
-            "status": {"allocatable": allocatable},
+            "spec": {"taints": self.taints} if self.taints else {},
+            "status": {"allocatable": resources},
         }
+
+    def untolerated(self, pod_spec: dict[str, Any]) -> dict[str, str] | None:
+        """The first NoSchedule taint of this node the pod does not tolerate, if any.
+
+        A pod that requests GPUs tolerates GKE's GPU taint whatever it says: GKE adds
+        that toleration itself (the ExtendedResourceToleration admission).
+        """
+        tolerations = list(pod_spec.get("tolerations") or [])
+        if GPU_RESOURCE in pod_requests(pod_spec):
+            tolerations.append({"key": GPU_RESOURCE, "operator": "Exists"})
+        return next(
+            (
+                t
+                for t in self.taints
+                if t["effect"] in ("NoSchedule", "NoExecute") and not tolerates(tolerations, t)
+            ),
+            None,
+        )
+
+    def admits(self, pod_spec: dict[str, Any]) -> bool:
+        """Whether the pod may land here at all: taints tolerated, node selector matched."""
+        return self.untolerated(pod_spec) is None and self.matches(
+            pod_spec.get("nodeSelector") or {}
+        )
 
     @property
     def pool(self) -> str | None:
@@ -67,35 +109,35 @@ class Node:
         """The resources of `requests` this node cannot give one more pod (`empty`: even with
         no pod bound to it)."""
         short = []
-        for resource, quantity in requests.items():
+        for resource, amount in requests.items():
             have = _capacity(self, resource)
+            if not self.unlimited:
+                have -= self.system.get(resource, 0)
             if not empty and not self.unlimited:
                 have -= self.used.get(resource, 0)
-            if _amount(resource, quantity) > have:
+            if _amount(resource, amount) > have:
                 short.append(resource)
         return short
 
     def bind(self, requests: dict[str, str]) -> None:
         """A pod asking for `requests` was bound here: it holds them until `release`."""
         if not self.unlimited:
-            for resource, quantity in requests.items():
-                self.used[resource] = self.used.get(resource, 0) + _amount(resource, quantity)
+            for resource, amount in requests.items():
+                self.used[resource] = self.used.get(resource, 0) + _amount(resource, amount)
 
     def release(self, requests: dict[str, str]) -> None:
         if not self.unlimited:
-            for resource, quantity in requests.items():
-                self.used[resource] = self.used.get(resource, 0) - _amount(resource, quantity)
+            for resource, amount in requests.items():
+                self.used[resource] = self.used.get(resource, 0) - _amount(resource, amount)
 
 
-def _amount(resource: str, quantity: str) -> int:
+def _amount(resource: str, amount: str) -> int:
     """A request in whole units: cpu in millicores, memory in bytes, extended resources as is."""
-    from kinetic_prefect.launch.accelerators import parse_quantity
-
     if resource == "cpu":
-        return round(parse_quantity(quantity) * 1000)
+        return round(quantity(amount) * 1000)
     if resource == "memory":
-        return round(parse_quantity(quantity))
-    return int(quantity)
+        return round(quantity(amount))
+    return int(amount)
 
 
 def _capacity(node: Node, resource: str) -> int:
@@ -109,27 +151,28 @@ def _capacity(node: Node, resource: str) -> int:
 def gke_nodes(
     pool: str, accelerator: str, count: int, spot: bool = False, first: int = 0
 ) -> list[Node]:
-    """`count` nodes of a GKE node pool for `accelerator`, labelled as GKE labels them.
+    """`count` nodes of a GKE node pool made for `accelerator` (a key of `POOL_SHAPES`).
 
-    The accelerator's node labels (gke-tpu-accelerator and gke-tpu-topology, or
-    gke-accelerator), the pool's name and machine type, and the machine's allocatable
-    capacity (https://cloud.google.com/kubernetes-engine/docs/concepts/plan-node-sizes).
-    `first`: the index of the first node's name (a pool that grows).
+    Labelled and tainted as GKE does, with the machine's allocatable and its system
+    pods' requests (tests/support/gke_machines.py). `first`: the index of the first
+    node's name (a pool that grows).
     """
-    from kinetic_prefect.launch.accelerators import machine_type, parse_accelerator
-
-    acc = parse_accelerator(accelerator, spot=spot)
-    labels = {**acc.node_selector, NODE_POOL_LABEL: pool}
-    extended: dict[str, int] = {}
-    cpu, memory = _DEFAULT_CPU_MILLICORES, _DEFAULT_MEMORY_MIB
-    if acc.machine_type is not None:
-        labels[INSTANCE_TYPE_LABEL] = acc.machine_type
-        cpu, memory = machine_type(acc.machine_type).allocatable()
-        extended = {k: int(v) for k, v in acc.resource_limits.items()}
-    if acc.kind == "gpu":
-        labels["cloud.google.com/gke-accelerator-count"] = str(acc.count)
+    shape = POOL_SHAPES[accelerator]
+    machine = MACHINES[shape.machine]
+    labels = {**shape.labels, NODE_POOL_LABEL: pool, INSTANCE_TYPE_LABEL: machine.name}
+    if spot:
+        labels[SPOT_LABEL] = "true"
+    cpu, memory = allocatable(machine)
     return [
-        Node(f"gke-{pool}-{index}", dict(labels), dict(extended), cpu, memory)
+        Node(
+            f"gke-{pool}-{index}",
+            dict(labels),
+            extended_resources(machine),
+            cpu,
+            memory,
+            taints=[dict(t) for t in shape.taints],
+            system=system_requests(labels),
+        )
         for index in range(first, first + count)
     ]
 
@@ -156,7 +199,10 @@ class NodePool:
 
 
 def pod_requests(pod_spec: dict[str, Any]) -> dict[str, str]:
-    return dict((pod_spec["containers"][0].get("resources") or {}).get("requests") or {})
+    """The container's requests; a resource with a limit and no request requests its limit,
+    as the API server defaults it."""
+    resources = pod_spec["containers"][0].get("resources") or {}
+    return {**(resources.get("limits") or {}), **(resources.get("requests") or {})}
 
 
 _MISMATCH = "node(s) didn't match Pod's node affinity/selector"
@@ -182,11 +228,23 @@ def _fit_error(total: int, reasons: list[str], verdicts: list[str]) -> str:
     )
 
 
-def _node_verdict(
-    node: Node, selector: dict[str, str], requests: dict[str, str]
-) -> tuple[list[str], str]:
-    """(the scheduler's reasons against `node`, its preemption verdict); no reasons: it fits."""
-    if not node.matches(selector):
+# kube-scheduler's TaintToleration reason as GKE's current versions print it (Kubernetes
+# 1.34 and later name no taint: kubernetes/kubernetes#134740; before, "node(s) had
+# untolerated taint {KEY: VALUE}").
+UNTOLERATED_TAINT = "node(s) had untolerated taint(s)"
+
+
+def _node_verdict(node: Node, pod_spec: dict[str, Any]) -> tuple[list[str], str]:
+    """(the scheduler's reasons against `node`, its preemption verdict); no reasons: it fits.
+
+    Filters run in kube-scheduler's default order, the first that fails giving the
+    node's reason: TaintToleration, then NodeAffinity (the node selector), then
+    NodeResourcesFit. A taint or a selector no pod's end can change is "not helpful".
+    """
+    if node.untolerated(pod_spec) is not None:
+        return [UNTOLERATED_TAINT], _NOT_HELPFUL
+    requests = pod_requests(pod_spec)
+    if not node.matches(pod_spec.get("nodeSelector") or {}):
         return [_MISMATCH], _NOT_HELPFUL
     too_small = node.short_of(requests, empty=True)
     if too_small:
@@ -208,23 +266,20 @@ def unschedulable_message(nodes: list[Node], pod_spec: dict[str, Any], pods: int
     `pods` > 1 (a slice's pods, one per node): the message the pods left over get
     when no node pool has that many matching nodes.
     """
-    selector = pod_spec.get("nodeSelector") or {}
     requests = pod_requests(pod_spec)
     total = len(nodes)
-    verdicts = [_node_verdict(n, selector, requests) for n in nodes]
+    verdicts = [_node_verdict(n, pod_spec) for n in nodes]
     if all(reasons for reasons, _ in verdicts):
         return _fit_error(
             total, [r for reasons, _ in verdicts for r in reasons], [v for _, v in verdicts]
         )
-    matching = [n for n in nodes if n.matches(selector) and not n.short_of(requests, empty=True)]
+    matching = [n for n in nodes if n.admits(pod_spec) and not n.short_of(requests, empty=True)]
     if pods > len(matching):
-        others = total - len(matching)
-        extended = [r for r in requests if "/" in r]
-        resources = ", ".join(f"{len(matching)} Insufficient {r}" for r in extended)
-        return (
-            f"0/{total} nodes are available: {resources}, {others} {_MISMATCH}. preemption: "
-            f"0/{total} nodes are available: {total} {_NOT_HELPFUL}."
-        )
+        # The slice's pods past the matching nodes: each other node turned them away.
+        others = [r for n in nodes if n not in matching for r in _node_verdict(n, pod_spec)[0]]
+        extended = [f"Insufficient {r}" for r in requests if "/" in r]
+        reasons = [r for r in extended for _ in matching] + others
+        return _fit_error(total, reasons, [_NOT_HELPFUL] * total)
     return None
 
 
@@ -255,9 +310,8 @@ def place(nodes: list[Node], pod_spec: dict[str, Any], pods: int) -> list[Node] 
     message = unschedulable_message(nodes, pod_spec, pods)
     if message:
         return message
-    selector = pod_spec.get("nodeSelector") or {}
     requests = pod_requests(pod_spec)
-    matching = [n for n in nodes if n.matches(selector) and not n.short_of(requests, empty=True)]
+    matching = [n for n in nodes if n.admits(pod_spec) and not n.short_of(requests, empty=True)]
     found = _pool_of(matching, pod_spec, pods)
     if found is not None:
         return found
@@ -271,7 +325,7 @@ def place(nodes: list[Node], pod_spec: dict[str, Any], pods: int) -> list[Node] 
             f"0/{total} nodes are available: {total} {_NOT_HELPFUL}."
         )
     # A pool would do once the pods holding its nodes end.
-    verdicts = [_node_verdict(n, selector, requests) for n in nodes]
+    verdicts = [_node_verdict(n, pod_spec) for n in nodes]
     return _fit_error(
         total,
         [r for rs, _ in verdicts for r in (rs or ["node(s) didn't match pod affinity rules"])],
@@ -461,6 +515,8 @@ def scale_up_triggered(pool: NodePool, size: int) -> str:
 
 def pool_verdict(template: Node, pod_spec: dict[str, Any], size: int, max_nodes: int) -> str | None:
     """Why the autoscaler would not add a node like `template` for the pod; None: it would."""
+    if template.untolerated(pod_spec) is not None:
+        return UNTOLERATED_TAINT
     if not template.matches(pod_spec.get("nodeSelector") or {}):
         return _MISMATCH
     too_small = template.short_of(pod_requests(pod_spec), empty=True)

@@ -54,7 +54,6 @@ from kinetic_prefect.backends.base import PodExit
 from kinetic_prefect.backends.local.backend import LocalBackend
 from kinetic_prefect.backends.local.interpreter import bare_python
 from kinetic_prefect.launch.environment import cache_dir
-from kinetic_prefect.launch.slices import hosts_of
 from tests.support.kube_emulator import JOBS, ClusterEmulator
 from tests.support.kube_objects import (
     MAX_SIZE_REACHED,
@@ -265,15 +264,15 @@ class Kubelet:
             if not pod.terminating:
                 pod.terminating = pod.suspending = True
                 self._spawn(self._terminate(pod))
-        elif name not in self._pods and not job["spec"].get("suspend"):
+        elif name not in self._pods and not job["spec"].get("suspend") and pods_at_once(job):
             # A suspended Job (waiting in a Kueue queue) gets its pods once unsuspended.
-            suffix = secrets.token_hex(3)[:5]
-            hosts = hosts_of(job)
-            names = (
-                [f"{name}-{suffix}"]
-                if hosts == 1
-                else [f"{name}-{index}-{suffix}" for index in range(hosts)]
-            )
+            indexed = job["spec"].get("completionMode") == "Indexed"
+            names = [
+                f"{name}-{index}-{secrets.token_hex(3)[:5]}"
+                if indexed
+                else f"{name}-{secrets.token_hex(3)[:5]}"
+                for index in range(pods_at_once(job))
+            ]
             pod = _Pod(job=job, name=names[0], namespace=job["metadata"]["namespace"], names=names)
             self._pods[name] = pod
             self._spawn(self._start(pod))
@@ -331,14 +330,14 @@ class Kubelet:
         """Create the Job's pods; the API server's refusal (quota, admission) if it refused."""
         if self.quota_exceeded:
             return quota_refusal(pod.name)
-        slice_hosts = len(pod.names) if len(pod.names) > 1 else None
+        indexed = pod.job["spec"].get("completionMode") == "Indexed"
         spec = pod.job["spec"]["template"]["spec"]
         pod.placement = place(self.nodes, spec, len(pod.names))
         if isinstance(pod.placement, list):
             self._bind(pod, pod.placement)
         for index, name in enumerate(pod.names):
             node = pod.placement[index].name if isinstance(pod.placement, list) else None
-            body = pod_of_job(pod.job, name, pod.namespace, index if slice_hosts else None, node)
+            body = pod_of_job(pod.job, name, pod.namespace, index if indexed else None, node)
             path = f"/api/v1/namespaces/{pod.namespace}/pods"
             assert self._session is not None
             async with self._session.post(path, json=body) as response:
@@ -675,3 +674,12 @@ class Kubelet:
         if current is not None and current["metadata"].get("finalizers"):
             path = f"/apis/batch/v1/namespaces/{meta['namespace']}/jobs/{meta['name']}"
             await self._request("PATCH", path, {"metadata": {"finalizers": []}})
+
+
+def pods_at_once(job: dict[str, Any]) -> int:
+    """How many pods the Job controller runs at once for `job`: its `parallelism`
+    (default 1), at most its `completions` when set (Kubernetes' Job controller)."""
+    spec = job["spec"]
+    parallelism = int(spec.get("parallelism", 1))
+    completions = spec.get("completions")
+    return parallelism if completions is None else min(parallelism, int(completions))

@@ -54,7 +54,7 @@ from typing import Any
 
 import aiohttp
 
-from kinetic_prefect.launch.accelerators import parse_quantity
+from tests.support.gke_machines import quantity as parse_quantity
 from tests.support.kube_emulator import JOBS, ClusterEmulator
 from tests.support.kube_objects import now
 

@@ -64,11 +64,46 @@ def test_a_pod_behind_busy_nodes_of_its_kind_waits_for_capacity():
     )
 
 
+def test_nodes_whose_taint_turns_the_pod_away_are_not_counted_as_its_kind():
+    # Two busy L4 nodes beside a TPU pool: GKE's TPU taint turns the L4 pod away there.
+    job = _job("l4")
+    l4_nodes = gke_nodes("l4-pool", "l4", 2)
+    _scheduled_on(l4_nodes, job)
+    nodes = [*l4_nodes, *gke_nodes("v5e-4", "tpu-v5e-4", 4)]
+    message = unschedulable_message(nodes, job["spec"]["template"]["spec"])
+    assert message is not None and "4 node(s) had untolerated taint(s)" in message
+
+    waiting = pending(_unschedulable_pod(job, message), job)
+
+    assert waiting is not None and waiting.waits_for_capacity
+    assert waiting.reason.startswith("waiting for capacity: 2/2 l4 nodes busy"), waiting.reason
+
+
+def test_a_taint_named_as_kubernetes_before_1_34_names_it_also_leaves_those_nodes_out():
+    job = _job("l4")
+    message = (
+        "0/6 nodes are available: 2 Insufficient nvidia.com/gpu, 4 node(s) had untolerated "
+        "taint {google.com/tpu: present}. preemption: 0/6 nodes are available: 2 No "
+        "preemption victims found for incoming pod, 4 Preemption is not helpful for scheduling."
+    )
+
+    waiting = pending(_unschedulable_pod(job, message), job)
+
+    assert waiting is not None and waiting.waits_for_capacity
+    assert waiting.reason.startswith("waiting for capacity: 2/2 l4 nodes busy"), waiting.reason
+
+
 @pytest.mark.parametrize(
     ("accelerator", "nodes", "scheduler_says"),
     [
-        # No node pool has the accelerator.
-        ("tpu-v5e-4", gke_nodes("l4", "l4", 3), "3 node(s) didn't match Pod's node affinity"),
+        # No node pool has the accelerator: GKE's GPU taint turns the TPU pod away first.
+        (
+            "tpu-v5e-4",
+            gke_nodes("l4", "l4", 3),
+            "3 node(s) had untolerated taint(s)",
+        ),
+        # Nodes of another TPU topology tolerate it but do not match its selector.
+        ("tpu-v5e-4", gke_nodes("v5e-16", "tpu-v5e-16", 4), "4 node(s) didn't match Pod's node"),
         # Nodes with four L4 GPUs each: eight never fit, however long the pod waits.
         ("l4x8", gke_nodes("l4x4", "l4x4", 2), "2 Insufficient nvidia.com/gpu"),
     ],

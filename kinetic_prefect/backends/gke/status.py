@@ -261,6 +261,9 @@ _COUNTED = re.compile(r"(?:^|, )(\d+) ((?:(?!, \d+ ).)+)")
 # nodes too small even when empty "not helpful", kubernetes/kubernetes#131345).
 _NO_VICTIMS = "No preemption victims found for incoming pod"
 _MISMATCH = "didn't match Pod's node affinity/selector"
+# A node whose NoSchedule taint the pod does not tolerate (GKE taints GPU and TPU nodes):
+# "node(s) had untolerated taint {google.com/tpu: present}", kube-scheduler's TaintToleration.
+_UNTOLERATED = "had untolerated taint"
 _TRIGGERED_SCALE_UP = "TriggeredScaleUp"
 _NOT_TRIGGERED_SCALE_UP = "NotTriggerScaleUp"
 _MAX_SIZE = "max node group size reached"
@@ -299,7 +302,8 @@ def _unschedulable(
     if busy or scaling_up:
         accelerator = (manifest["metadata"].get("annotations") or {}).get(ANNOTATION_ACCELERATOR)
         kind = f"{accelerator} " if accelerator else ""
-        matching = total - sum(n for r, n in reasons.items() if _MISMATCH in r)
+        # Nodes of its kind: those neither its selector nor a taint turned it away from.
+        matching = total - sum(n for r, n in reasons.items() if _MISMATCH in r or _UNTOLERATED in r)
         parts = []
         if busy:
             what = f" ({', '.join(short)})" if short else ""
