@@ -183,6 +183,21 @@ class KineticCluster(Block):
         description="Kueue LocalQueue in the namespace that admits every Job (docs/kueue.md): "
         "Jobs are created suspended and wait there; the pending timeout counts from admission.",
     )
+    queued_provisioning: bool | None = Field(
+        default=None,
+        description="The queue_name's ClusterQueue provisions nodes through DWS flex-start "
+        "with queued provisioning: pods tolerate the cloud.google.com/gke-queued taint.",
+    )
+    job_labels: dict[str, str] = Field(
+        default_factory=dict,
+        description="Labels added to every Job (e.g. a Kueue priority class, "
+        "kueue.x-k8s.io/priority-class).",
+    )
+    job_annotations: dict[str, str] = Field(
+        default_factory=dict,
+        description="Annotations added to every Job (e.g. "
+        "provreq.kueue.x-k8s.io/maxRunDurationSeconds for DWS).",
+    )
     warm_pods: bool | None = Field(
         default=None,
         description="Keep a pod after its task for the next task run of the same pod spec.",
@@ -301,6 +316,9 @@ def cluster_settings(cluster: KineticCluster) -> dict[str, Any]:
         "pending_timeout_seconds": cluster.pending_timeout_seconds,
         "queue_timeout_seconds": cluster.queue_timeout_seconds,
         "queue_name": cluster.queue_name,
+        "queued_provisioning": cluster.queued_provisioning,
+        "job_labels": dict(cluster.job_labels),
+        "job_annotations": dict(cluster.job_annotations),
         "warm_pods": cluster.warm_pods,
         "warm_pod_idle_seconds": cluster.warm_pod_idle_seconds,
         "code_archive_max_mb": cluster.code_archive_max_mb,

@@ -44,6 +44,14 @@ LABEL_TASK_IDENTITY = "kinetic-prefect.io/task-identity"
 LABEL_WARM = "kinetic-prefect.io/warm"
 # Kueue's batch/Job integration: the LocalQueue that admits the Job (docs/kueue.md).
 LABEL_QUEUE_NAME = "kueue.x-k8s.io/queue-name"
+# GKE taints the nodes DWS flex-start provisions for a queued request (queued provisioning)
+# so that only the request's pods land there.
+QUEUED_PROVISIONING_TOLERATION = {
+    "key": "cloud.google.com/gke-queued",
+    "operator": "Equal",
+    "value": "true",
+    "effect": "NoSchedule",
+}
 ANNOTATION_ACCELERATOR = "kinetic-prefect.io/accelerator"
 ANNOTATION_TASK_NAME = "kinetic-prefect.io/task-name"
 ANNOTATION_OUTPUT_DIR = "kinetic-prefect.io/output-dir"
@@ -184,6 +192,11 @@ class LaunchSpec:
     # A Kueue LocalQueue: the Job is created suspended, labelled for it, and Kueue admits
     # it (unsuspends it) when its ClusterQueue has quota for all of its pods.
     queue_name: str | None = None
+    # The queue provisions nodes through DWS queued provisioning: pods tolerate its taint.
+    queued_provisioning: bool = False
+    # Added to the Job's metadata (never the runner's own keys).
+    job_labels: Mapping[str, str] = field(default_factory=dict)
+    job_annotations: Mapping[str, str] = field(default_factory=dict)
 
     def labels(self) -> dict[str, str]:
         labels = {**self.extra_labels, LABEL_MANAGED_BY: MANAGED_BY, LABEL_JOB_ID: self.job_id}
@@ -321,8 +334,11 @@ def base_job_manifest(spec: LaunchSpec) -> dict[str, Any]:
     }
     if accelerator.node_selector:
         pod_spec["nodeSelector"] = dict(accelerator.node_selector)
-    if accelerator.tolerations:
-        pod_spec["tolerations"] = [dict(t) for t in accelerator.tolerations]
+    tolerations = [dict(t) for t in accelerator.tolerations]
+    if spec.queued_provisioning:
+        tolerations.append(dict(QUEUED_PROVISIONING_TOLERATION))
+    if tolerations:
+        pod_spec["tolerations"] = tolerations
     if spec.service_account:
         pod_spec["serviceAccountName"] = spec.service_account
     pod_spec["automountServiceAccountToken"] = spec.automount_service_account_token
@@ -362,11 +378,24 @@ def base_job_manifest(spec: LaunchSpec) -> dict[str, Any]:
         "metadata": {
             "name": spec.job_id,
             "namespace": spec.namespace,
-            "labels": job_labels,
-            "annotations": annotations,
+            "labels": _with_users(job_labels, spec.job_labels, "job_labels"),
+            "annotations": _with_users(annotations, spec.job_annotations, "job_annotations"),
         },
         "spec": job_spec,
     }
+
+
+def _with_users(own: dict[str, str], users: Mapping[str, str], setting: str) -> dict[str, str]:
+    """The runner's metadata and the user's; a key the runner writes is not the user's."""
+    # The queue's label too: Kueue would queue a Job the runner did not create suspended.
+    taken = sorted((set(own) | {LABEL_QUEUE_NAME}) & set(users))
+    if taken:
+        fix = "use queue_name= for the Kueue queue" if LABEL_QUEUE_NAME in taken else "leave it out"
+        raise ConfigurationError(
+            f"{setting} sets {', '.join(taken)}, which kinetic-prefect writes itself on every "
+            f"Job (its identity, queue or accelerator): {fix}."
+        )
+    return {**own, **users}
 
 
 def _add_environment_unpacking(

@@ -66,6 +66,13 @@ class LaunchSettings:
     # gke: the Kueue LocalQueue of the namespace that admits the Jobs (docs/kueue.md); they
     # are created suspended and wait in it, and the pending timeout counts from admission.
     queue_name: str | None = None
+    # gke: the queue's ClusterQueue provisions nodes through DWS flex-start with queued
+    # provisioning (docs/kueue.md): pods tolerate the taint GKE puts on those nodes.
+    queued_provisioning: bool = False
+    # gke: labels and annotations added to each Job's metadata, for what Kueue and GKE
+    # read there (a Kueue priority class label, `provreq.kueue.x-k8s.io/*` annotations).
+    job_labels: Mapping[str, str] = field(default_factory=dict)
+    job_annotations: Mapping[str, str] = field(default_factory=dict)
     # gke: how long the cluster may refuse the credentials to watch a job's pod (401/403,
     # re-read meanwhile) before the job fails (docs/kubernetes.md).
     credentials_denied_timeout_seconds: float = 120.0
@@ -174,6 +181,10 @@ _ENV_PARSERS: dict[str, Any] = {
     "pending_timeout_seconds": float,
     "queue_timeout_seconds": float,
     "queue_name": str,
+    "queued_provisioning": lambda v: _parse_bool("KINETIC_QUEUED_PROVISIONING", v),
+    # JSON objects of strings.
+    "job_labels": json.loads,
+    "job_annotations": json.loads,
     "credentials_denied_timeout_seconds": float,
     "allow_loopback_api": lambda v: _parse_bool("KINETIC_ALLOW_LOOPBACK_API", v),
     "kube_context": str,
@@ -304,6 +315,8 @@ def resolve_settings(
     env: dict[str, str | SecretValue] = {}
     pod_overrides: dict[str, Any] = {}
     intervals: dict[str, Any] = {}
+    # Job labels and annotations of each layer combine key by key, as env does.
+    metadata: dict[str, dict[str, Any]] = {"job_labels": {}, "job_annotations": {}}
     for layer in layers:
         _check_names(layer, "settings")
         for key, value in layer.items():
@@ -313,12 +326,17 @@ def resolve_settings(
                 env.update({str(k): env_value(str(k), v) for k, v in dict(value).items()})
             elif key == "pod_overrides":
                 pod_overrides.update(check_pod_overrides(value))
+            elif key in metadata:
+                if not isinstance(value, Mapping):
+                    raise ConfigurationError(f"{key} must be a mapping of names to strings.")
+                metadata[key].update(value)
             elif key == "intervals":
                 intervals.update(value.changed() if isinstance(value, Intervals) else dict(value))
             else:
                 merged[key] = value
     merged["env"] = env
     merged["pod_overrides"] = pod_overrides
+    merged.update(metadata)
     merged["intervals"] = Intervals.of(intervals)
     for key in ("cpu", "memory"):
         if isinstance(merged.get(key), int | float) and not isinstance(merged[key], bool):
@@ -373,6 +391,13 @@ def _validate(settings: LaunchSettings) -> None:
         )
     _check_warm_idle(settings)
     _check_queue_name(settings.queue_name)
+    if settings.queued_provisioning and not settings.queue_name:
+        raise ConfigurationError(
+            "queued_provisioning=True needs queue_name: the Kueue LocalQueue whose "
+            "ClusterQueue provisions the nodes through DWS (docs/kueue.md)."
+        )
+    _check_metadata("job_labels", settings.job_labels, labels=True)
+    _check_metadata("job_annotations", settings.job_annotations, labels=False)
     _check_environment(settings)
     _check_quantity("cpu", settings.cpu, "8 or 500m")
     _check_quantity("memory", settings.memory, "64Gi or 512Mi")
@@ -391,6 +416,39 @@ def _check_queue_name(queue_name: str | None) -> None:
             "LocalQueue in the Jobs' namespace (lowercase letters, digits, '-' and '.'; "
             "kubectl get localqueues -n NAMESPACE lists them)."
         )
+
+
+# Kubernetes' object metadata syntax
+# (https://kubernetes.io/docs/concepts/overview/working-with-objects/labels/#syntax-and-character-set):
+# an optional DNS-subdomain prefix and a slash, then a name of at most 63 characters;
+# a label's value is at most 63 characters of the same set, or empty.
+_METADATA_NAME = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
+
+
+def _check_metadata(setting: str, items: Mapping[str, str], labels: bool) -> None:
+    if not isinstance(items, Mapping):
+        raise ConfigurationError(f"{setting} must be a mapping of names to strings.")
+    for key, value in items.items():
+        prefix, _, name = str(key).rpartition("/")
+        valid = bool(name) and _METADATA_NAME.fullmatch(name) is not None
+        if prefix and not _DNS_SUBDOMAIN.fullmatch(prefix):
+            valid = False
+        if not valid:
+            raise ConfigurationError(
+                f"{setting}: {key!r} is not a Kubernetes {'label' if labels else 'annotation'} "
+                "key: an optional DNS-subdomain prefix and '/', then at most 63 letters, digits, "
+                "'-', '_' or '.', starting and ending with a letter or digit."
+            )
+        if not isinstance(value, str):
+            raise ConfigurationError(
+                f"{setting}: the value of {key!r} must be a string, not {value!r} "
+                '(quote numbers: "600").'
+            )
+        if labels and not _METADATA_NAME.fullmatch(value):
+            raise ConfigurationError(
+                f"job_labels: {value!r} (for {key!r}) is not a label value: at most 63 "
+                "letters, digits, '-', '_' or '.', starting and ending with a letter or digit."
+            )
 
 
 def _check_quantity(name: str, value: str | None, example: str) -> None:

@@ -245,6 +245,9 @@ class Launcher:
             memory=settings.memory,
             pod_overrides=settings.pod_overrides,
             queue_name=settings.queue_name,
+            queued_provisioning=settings.queued_provisioning,
+            job_labels=settings.job_labels,
+            job_annotations=settings.job_annotations,
         )
         if self.resources.warm_pods.take(launch, spec, backend, store, secrets, self, unsent):
             return

@@ -138,6 +138,11 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
             `priorityClassName`, `imagePullSecrets`, volumes...); docs/kubernetes.md has the rule.
         queue_name: a Kueue LocalQueue (gke): every Job is created suspended in it and starts
             when Kueue admits it; time spent queued is not pending time (docs/kueue.md).
+        queued_provisioning: the queue provisions its nodes through DWS flex-start with
+            queued provisioning (gke): pods tolerate the taint GKE gives those nodes.
+        job_labels, job_annotations: added to every Job's metadata (gke), for what Kueue
+            and GKE read there: `kueue.x-k8s.io/priority-class`,
+            `provreq.kueue.x-k8s.io/maxRunDurationSeconds`, ...
         **settings: any other setting of `kinetic_prefect.launch.settings.LaunchSettings`.
 
     Retries: an exception in the task is retried by Prefect's engine inside the

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import re
 import shlex
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -95,6 +97,9 @@ INHERITED_SETTINGS = (
     "queue_timeout_seconds",
     # The flow's task pods wait in the flow pod's Kueue LocalQueue unless its runner names one.
     "queue_name",
+    "queued_provisioning",
+    "job_labels",
+    "job_annotations",
     "credentials_denied_timeout_seconds",
     "allow_loopback_api",
     # Where the environments the flow pod's runner ships to its task pods are kept and built.
@@ -131,6 +136,10 @@ def inherited_settings_env(settings: LaunchSettings) -> dict[str, str]:
             text = "true" if value else "false"
         elif isinstance(value, (tuple, list)):
             text = ",".join(map(str, value))  # empty: unset, the accelerator's default
+        elif isinstance(value, Mapping):
+            if not value:
+                continue
+            text = json.dumps(dict(value), sort_keys=True)
         else:
             text = str(value)
         env[env_variable_names(name)[0]] = text
@@ -267,5 +276,8 @@ def plan_flow_pod(
         memory=settings.memory,
         pod_overrides=settings.pod_overrides,
         queue_name=settings.queue_name,
+        queued_provisioning=settings.queued_provisioning,
+        job_labels=settings.job_labels,
+        job_annotations=settings.job_annotations,
     )
     return FlowPodPlan(settings, spec, build_job_manifest(spec), secrets)
