@@ -61,6 +61,9 @@ class FlowPodJob(Protocol):
     memory: str | None
     pod_overrides: dict[str, Any] | None
     queue_name: str | None
+    queued_provisioning: bool | None
+    job_labels: dict[str, str] | None
+    job_annotations: dict[str, str] | None
     flow_service_account: str
     name: str | None
     command: str | None
@@ -206,6 +209,9 @@ def flow_pod_settings(configuration: FlowPodJob, cluster: Any = None) -> LaunchS
             "memory": configuration.memory,
             "pod_overrides": configuration.pod_overrides,
             "queue_name": configuration.queue_name,
+            "queued_provisioning": configuration.queued_provisioning,
+            "job_labels": configuration.job_labels,
+            "job_annotations": configuration.job_annotations,
         },
         block=block,
     )

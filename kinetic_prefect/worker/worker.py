@@ -108,6 +108,15 @@ _QUEUE_NAME_HELP = (
     "the flow's runner names another, its task pods' Jobs: they are created suspended and "
     "start when Kueue admits them (docs/kueue.md). Default: the cluster's, else none."
 )
+_QUEUED_PROVISIONING_HELP = (
+    "The queue provisions nodes through DWS flex-start with queued provisioning: the pods "
+    "tolerate the cloud.google.com/gke-queued taint of those nodes (docs/kueue.md)."
+)
+_JOB_LABELS_HELP = "Labels added to the flow-run pod's Job and its task pods' Jobs."
+_JOB_ANNOTATIONS_HELP = (
+    "Annotations added to the flow-run pod's Job and its task pods' Jobs (e.g. "
+    "provreq.kueue.x-k8s.io/maxRunDurationSeconds)."
+)
 _FLOW_SERVICE_ACCOUNT_HELP = (
     "Kubernetes service account of the flow-run pod, with its token mounted: it launches the "
     "flow's task pods, so it needs the kinetic-prefect-runner Role of deployments/k8s/rbac.yaml. "
@@ -128,6 +137,9 @@ class _KineticPodFields(BaseModel):
     memory: str | None = Field(default=None, description=_MEMORY_HELP)
     pod_overrides: dict[str, Any] | None = Field(default=None, description=_POD_OVERRIDES_HELP)
     queue_name: str | None = Field(default=None, description=_QUEUE_NAME_HELP)
+    queued_provisioning: bool | None = Field(default=None, description=_QUEUED_PROVISIONING_HELP)
+    job_labels: dict[str, str] | None = Field(default=None, description=_JOB_LABELS_HELP)
+    job_annotations: dict[str, str] | None = Field(default=None, description=_JOB_ANNOTATIONS_HELP)
     flow_service_account: str = Field(
         default=RUNNER_SERVICE_ACCOUNT, min_length=1, description=_FLOW_SERVICE_ACCOUNT_HELP
     )

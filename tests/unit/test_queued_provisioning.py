@@ -94,3 +94,21 @@ def test_layers_combine_job_labels_key_by_key_and_env_carries_them() -> None:
         settings.job_labels,
         settings.job_annotations,
     )
+
+
+def test_a_work_pools_job_variables_reach_the_flow_pods_settings() -> None:
+    from kinetic_prefect.worker.flow_pod import flow_pod_settings
+    from kinetic_prefect.worker.worker import KineticJobConfiguration
+
+    configuration = KineticJobConfiguration(
+        queue_name="tpu-dws",
+        queued_provisioning=True,
+        job_labels={"kueue.x-k8s.io/priority-class": "nightly"},
+        job_annotations={"provreq.kueue.x-k8s.io/maxRunDurationSeconds": "3600"},
+    )
+
+    settings = flow_pod_settings(configuration)
+
+    assert settings.queued_provisioning is True
+    assert settings.job_labels == {"kueue.x-k8s.io/priority-class": "nightly"}
+    assert settings.job_annotations == {"provreq.kueue.x-k8s.io/maxRunDurationSeconds": "3600"}

@@ -81,6 +81,9 @@ JOB_VARIABLES = {
     "memory",
     "pod_overrides",
     "queue_name",
+    "queued_provisioning",
+    "job_labels",
+    "job_annotations",
     "flow_service_account",
 }
 CANCEL_GRACE_SECONDS = 5
