@@ -4,7 +4,7 @@ No real Kueue runs here (docs/testing.md). This one follows Kueue's API shapes
 (https://kueue.sigs.k8s.io/docs/concepts/), as another client of the emulated API:
 
 - It reads `ResourceFlavor`, `ClusterQueue` and `LocalQueue` objects
-  (`kueue.x-k8s.io/v1beta1`) that a test applies, e.g. the ones docs/kueue.md shows.
+  (`kueue.x-k8s.io`, either version) that a test applies, e.g. the ones docs/kueue.md shows.
 - For each Job labelled `kueue.x-k8s.io/queue-name`, it creates a `Workload` owned by
   the Job (`job-{name}-{5 hex}`, label `kueue.x-k8s.io/job-uid`, `spec.queueName`, one
   pod set `main` whose `count` is the Job's parallelism and whose template is the
@@ -36,11 +36,14 @@ No real Kueue runs here (docs/testing.md). This one follows Kueue's API shapes
 - The visibility API (`visibility.kueue.x-k8s.io`, `pendingworkloads` of a
   LocalQueue) answers with the pending Workloads in admission order and their
   positions, shaped as Kueue's `PendingWorkloadsSummary`.
-- It serves one version of both APIs, `v1beta1` (Kueue 0.14 and older) unless a test
-  calls `serve("v1beta2")` (a Kueue that no longer serves `v1beta1`, as kubernetes-sigs/
-  kueue#13957 plans for 0.20): the emulated API server then answers any other version of
-  them 404 and lists only that one in discovery. The fields used here are the same in
-  both (`apis/kueue/v1beta1` and `v1beta2` of kueue v0.19.0).
+- It serves both versions of both APIs and writes `v1beta2`, as Kueue 0.16 to 0.19 do
+  (`v1beta2` stored, `v1beta1` deprecated but served), unless a test calls
+  `serve("v1beta2")` (a Kueue that no longer serves `v1beta1`, as kubernetes-sigs/
+  kueue#13957 plans for 0.20) or `serve("v1beta1")` (Kueue 0.14 and older): the emulated
+  API server then answers any other version of them 404 and lists only the served ones
+  in discovery. The fields used here are the same in both (`apis/kueue/v1beta1` and
+  `v1beta2` of kueue v0.19.0). Objects are kept per version here; a real API server
+  converts between them, so a client reading at the version it did not write sees them too.
 
 `peak_admitted` is the most Workloads each ClusterQueue held admitted at once.
 """
@@ -127,7 +130,7 @@ class Kueue:
     def __init__(self, emulator: ClusterEmulator) -> None:
         self.emulator = emulator
         self.version = ""
-        self.serve("v1beta1")
+        self.serve("v1beta2", "v1beta1")
         self.errors: list[BaseException] = []
         self.flavors: dict[str, dict[str, str]] = {}  # name -> nodeLabels
         self.cluster_queues: dict[str, dict[str, Any]] = {}  # name -> spec
@@ -139,10 +142,11 @@ class Kueue:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._changed = asyncio.Event()
 
-    def serve(self, version: str) -> None:
-        """Serve Kueue's APIs at `version` only (before a test applies its queues)."""
-        self.version = version
-        self.emulator.served_versions.update({GROUP: (version,), VISIBILITY_GROUP: (version,)})
+    def serve(self, *versions: str) -> None:
+        """Serve Kueue's APIs at `versions` only, writing the first (before a test applies
+        its queues)."""
+        self.version = versions[0]
+        self.emulator.served_versions.update({GROUP: versions, VISIBILITY_GROUP: versions})
 
     async def run(self, base_url: str) -> None:
         self._session = aiohttp.ClientSession(

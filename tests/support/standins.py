@@ -44,9 +44,9 @@ _KINDS = {
     "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings", True),
     "ClusterRole": ("/apis/rbac.authorization.k8s.io/v1", "clusterroles", False),
     "ClusterRoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "clusterrolebindings", False),
-    "ResourceFlavor": ("/apis/kueue.x-k8s.io/v1beta1", "resourceflavors", False),
-    "ClusterQueue": ("/apis/kueue.x-k8s.io/v1beta1", "clusterqueues", False),
-    "LocalQueue": ("/apis/kueue.x-k8s.io/v1beta1", "localqueues", True),
+    "ResourceFlavor": ("/apis/kueue.x-k8s.io/v1beta2", "resourceflavors", False),
+    "ClusterQueue": ("/apis/kueue.x-k8s.io/v1beta2", "clusterqueues", False),
+    "LocalQueue": ("/apis/kueue.x-k8s.io/v1beta2", "localqueues", True),
 }
 
 
