@@ -423,21 +423,39 @@ def _check_queue_name(queue_name: str | None) -> None:
 # an optional DNS-subdomain prefix and a slash, then a name of at most 63 characters;
 # a label's value is at most 63 characters of the same set, or empty.
 _METADATA_NAME = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
+# A DNS subdomain as Kubernetes checks a key's prefix: dot-separated DNS labels.
+_KEY_PREFIX = re.compile(
+    r"(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+)
+# Job metadata the runner writes and reads back (a Job's identity, its role, its queue):
+# a user's value there would make the runner mistake one Job for another.
+RESERVED_JOB_METADATA = ("kinetic-prefect.io/", "app.kubernetes.io/managed-by")
+_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 
 
 def _check_metadata(setting: str, items: Mapping[str, str], labels: bool) -> None:
     if not isinstance(items, Mapping):
         raise ConfigurationError(f"{setting} must be a mapping of names to strings.")
     for key, value in items.items():
-        prefix, _, name = str(key).rpartition("/")
+        prefix, slash, name = str(key).rpartition("/")
         valid = bool(name) and _METADATA_NAME.fullmatch(name) is not None
-        if prefix and not _DNS_SUBDOMAIN.fullmatch(prefix):
+        if slash and not _KEY_PREFIX.fullmatch(prefix):
             valid = False
         if not valid:
             raise ConfigurationError(
                 f"{setting}: {key!r} is not a Kubernetes {'label' if labels else 'annotation'} "
                 "key: an optional DNS-subdomain prefix and '/', then at most 63 letters, digits, "
                 "'-', '_' or '.', starting and ending with a letter or digit."
+            )
+        if str(key) == _QUEUE_LABEL:
+            raise ConfigurationError(
+                f"{setting}: {key!r} is the runner's own: set queue_name= instead (the runner "
+                "then creates the Jobs suspended for Kueue to admit)."
+            )
+        if str(key).startswith(RESERVED_JOB_METADATA):
+            raise ConfigurationError(
+                f"{setting}: {key!r} is kinetic-prefect's own (it finds and tells apart its "
+                f"Jobs by {', '.join(RESERVED_JOB_METADATA)}): use another key."
             )
         if not isinstance(value, str):
             raise ConfigurationError(

@@ -222,9 +222,11 @@ def _histogram(reasons: list[str]) -> str:
 
 
 def _fit_error(total: int, reasons: list[str], verdicts: list[str]) -> str:
+    # Kubernetes 1.34 and later (GKE's versions) enable dynamic resource allocation, whose
+    # PostFilter clause comes before the preemption verdicts.
     return (
-        f"0/{total} nodes are available: {_histogram(reasons)}. preemption: 0/{total} nodes "
-        f"are available: {_histogram(verdicts)}."
+        f"0/{total} nodes are available: {_histogram(reasons)}. no new claims to deallocate, "
+        f"preemption: 0/{total} nodes are available: {_histogram(verdicts)}."
     )
 
 
@@ -319,11 +321,9 @@ def place(nodes: list[Node], pod_spec: dict[str, Any], pods: int) -> list[Node] 
     if _pool_of(matching, pod_spec, pods, count_busy=True) is None:
         # Enough nodes, but no one pool has enough of them: the affinity rules say no.
         fitting = len(matching)
-        return (
-            f"0/{total} nodes are available: {fitting} node(s) didn't match pod affinity "
-            f"rules, {fitting} node(s) didn't match pod anti-affinity rules. preemption: "
-            f"0/{total} nodes are available: {total} {_NOT_HELPFUL}."
-        )
+        reasons = ["node(s) didn't match pod affinity rules"] * fitting
+        reasons += ["node(s) didn't match pod anti-affinity rules"] * fitting
+        return _fit_error(total, reasons, [_NOT_HELPFUL] * total)
     # A pool would do once the pods holding its nodes end.
     verdicts = [_node_verdict(n, pod_spec) for n in nodes]
     return _fit_error(

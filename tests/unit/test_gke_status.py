@@ -94,6 +94,25 @@ def test_a_taint_named_as_kubernetes_before_1_34_names_it_also_leaves_those_node
 
 
 @pytest.mark.parametrize(
+    "message",
+    [
+        # As GKE 1.36 writes it, with dynamic resource allocation's clause.
+        "0/2 nodes are available: 2 Insufficient nvidia.com/gpu. no new claims to deallocate, "
+        "preemption: 0/2 nodes are available: 2 Preemption is not helpful for scheduling.",
+        # As Kubernetes before 1.34 writes it.
+        "0/2 nodes are available: 2 Insufficient nvidia.com/gpu. preemption: 0/2 nodes are "
+        "available: 2 Preemption is not helpful for scheduling.",
+    ],
+)
+def test_nodes_too_small_even_when_empty_never_hold_the_pod_in_either_wording(message):
+    job = _job("l4x8")
+
+    never = pending(_unschedulable_pod(job, message), job)
+
+    assert never is not None and not never.waits_for_capacity, never
+
+
+@pytest.mark.parametrize(
     ("accelerator", "nodes", "scheduler_says"),
     [
         # No node pool has the accelerator: GKE's GPU taint turns the TPU pod away first.

@@ -251,9 +251,11 @@ def pending_reason(pod: Mapping[str, Any], manifest: Mapping[str, Any]) -> str |
 # The scheduler's message: "0/9 nodes are available: 1 node(s) didn't match Pod's node
 # affinity/selector, 8 Insufficient google.com/tpu. preemption: 0/9 nodes are available:
 # 1 Preemption is not helpful for scheduling, 8 No preemption victims found for incoming pod."
+# With dynamic resource allocation on (Kubernetes 1.34 and later, as on GKE) its PostFilter
+# adds a clause before the preemption part: "... . no new claims to deallocate, preemption: ...".
 _FIT_ERROR = re.compile(
-    r"0/(?P<total>\d+) nodes are available: (?P<reasons>.*?)\.(?: preemption: 0/\d+ nodes are "
-    r"available: (?P<preemption>.*?)\.)?\s*$",
+    r"0/(?P<total>\d+) nodes are available: (?P<reasons>.*?)\.(?: [^.:,]*,)?(?: preemption: "
+    r"0/\d+ nodes are available: (?P<preemption>.*?)\.)?\s*$",
     re.DOTALL,
 )
 _COUNTED = re.compile(r"(?:^|, )(\d+) ((?:(?!, \d+ ).)+)")
