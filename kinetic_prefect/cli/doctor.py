@@ -153,7 +153,7 @@ async def _cluster_checks(cluster: Any, settings: Any, accelerator: str | None) 
         checks.append(await _rbac_check(access, settings))
         checks += await _service_account_checks(access, settings)
         if accelerator:
-            checks.append(await _node_pool_check(access, accelerator, list_nodes))
+            checks.append(await _node_pool_check(access, settings, accelerator, list_nodes))
     finally:
         await access.close()
     return checks
@@ -271,13 +271,31 @@ async def _service_account_checks(access: Any, settings: Any) -> list[Check]:
     return checks
 
 
-async def _node_pool_check(access: Any, name: str, list_nodes: Any) -> Check:
+async def _node_pool_check(access: Any, settings: Any, name: str, list_nodes: Any) -> Check:
+    """The nodes that match the task pod's node selector, and whether they can hold it.
+
+    The pod is the one a runner with `settings` would launch for accelerator `name`; it fits
+    a node as kube-scheduler's NodeResourcesFit decides (`kinetic_prefect.cli.node_fit`).
+    """
+    from kinetic_prefect.cli.node_fit import node_fit
     from kinetic_prefect.launch.accelerators import parse_accelerator
+    from kinetic_prefect.launch.slices import build_workload, hosts_of
 
     try:
         accelerator = parse_accelerator(name)
-    except ValueError as exc:
+        job = build_workload(
+            _doctor_spec(
+                settings,
+                accelerator,
+                f"kinetic-prefect doctor: a task pod on {name}",
+                cpu=settings.cpu,
+                memory=settings.memory,
+                queued_provisioning=settings.queued_provisioning,
+            )
+        ).job
+    except (ConfigurationError, ValueError) as exc:
         return Check("Node pools", "fail", str(exc))
+    pod_spec = job["spec"]["template"]["spec"]
     try:
         nodes = await list_nodes(access)
     except Exception as exc:
@@ -287,7 +305,7 @@ async def _node_pool_check(access: Any, name: str, list_nodes: Any) -> Check:
             f"cannot list nodes ({getattr(exc, 'status', exc)}); grant it with the ClusterRole "
             "in deployments/k8s/rbac.yaml, or check with gcloud container node-pools list",
         )
-    selector = accelerator.node_selector
+    selector = pod_spec.get("nodeSelector") or {}
     wanted = ", ".join(f"{k}={v}" for k, v in selector.items()) or "no node selector"
     matching = [
         node
@@ -311,10 +329,166 @@ async def _node_pool_check(access: Any, name: str, list_nodes: Any) -> Check:
         ]
         enough = sum(1 for f in free if int(str(f)) >= int(amount))
         offered.append(f"{enough} with {resource} >= {amount}")
-    detail = f"{len(matching)} node(s) with {wanted}" + (
+    detail = f"{accelerator.name}: {len(matching)} node(s) with {wanted}" + (
         f" ({', '.join(offered)})" if offered else ""
     )
-    return Check("Node pools", "ok", f"{accelerator.name}: {detail}")
+    hosts = hosts_of(job)
+    unlisted = await _may_list_pods(access)
+    fits = []
+    for node in matching:
+        pods: list[dict[str, Any]] = []
+        if unlisted is None:
+            try:
+                pods = await _pods_on(access, (node.get("metadata") or {}).get("name", ""))
+            except Exception as exc:
+                unlisted = _api_error(exc)
+        fits.append(node_fit(pod_spec, node, pods))
+        if unlisted is None and len(_able(fits, hosts)) >= hosts:
+            break  # enough nodes hold it now: the rest need not be asked about
+    level, verdict = _fit_verdict(fits, hosts)
+    if unlisted is not None:
+        verdict += (
+            f" (the pods already on the nodes were not counted: {unlisted}. Their requests, "
+            "GKE's system DaemonSets' among them, are left out, so this compares with "
+            "allocatable alone: let these credentials list pods in all namespaces, e.g. "
+            "roles/container.viewer on GKE, for the whole answer)"
+        )
+        level = "warn" if level == "ok" else level
+    return Check("Node pools", level, f"{detail}; {verdict}")
+
+
+def _able(fits: list[Any], hosts: int, ours_gone: bool = False) -> list[Any]:
+    """The nodes that can take one pod each: for a multi-host slice, the most in one pool."""
+    from kinetic_prefect.launch.slices import NODE_POOL_LABEL
+
+    able = [fit for fit in fits if not fit.short(ours_gone)]
+    if hosts <= 1:
+        return able
+    pools: dict[str | None, list[Any]] = {}
+    for fit in able:
+        pools.setdefault(fit.labels.get(NODE_POOL_LABEL), []).append(fit)
+    return max(pools.values(), key=len, default=[])
+
+
+def _fit_verdict(fits: list[Any], hosts: int) -> tuple[str, str]:
+    """ok and how many nodes hold the pod, or fail naming the closest node and the fix."""
+    from kinetic_prefect.cli.node_fit import listed
+
+    asked = listed(fits[0].asked)
+    pod = f"each of its {hosts} pods (one per host, in one node pool)" if hosts > 1 else "its pod"
+    now, later = _able(fits, hosts), _able(fits, hosts, ours_gone=True)
+    if len(now) >= hosts:
+        return "ok", f"{pod} ({asked}) fits {_named(now)} now"
+    if len(later) >= hosts:
+        return "ok", (
+            f"{pod} ({asked}) fits {_named(later)} once kinetic-prefect's own pods there end; "
+            "until then it waits for them"
+        )
+    closest = min(fits, key=lambda fit: len(fit.short(ours_gone=True)))
+    fixes = "; ".join(_fixes(closest))
+    if not closest.short(ours_gone=True):
+        return "fail", (
+            f"{pod} ({asked}) fits {len(later)} node(s) of one node pool, not {hosts}: give the "
+            f"slice's node pool {hosts} nodes (gcloud container node-pools describe)"
+        )
+    return "fail", (
+        f"none can hold {pod}, which asks {asked}: {closest.describe()}. {fixes[:1].upper()}"
+        f"{fixes[1:]}"
+    )
+
+
+def _named(fits: list[Any]) -> str:
+    names = ", ".join(fit.node for fit in fits[:3])
+    more = f" and {len(fits) - 3} more" if len(fits) > 3 else ""
+    return f"node{'s' if len(fits) > 1 else ''} {names}{more}"
+
+
+def _fixes(fit: Any) -> list[str]:
+    """What to change for each resource `fit`'s node is short of."""
+    from kinetic_prefect.cli.node_fit import CPU, MEMORY, PODS, show
+
+    fixes = []
+    for resource in fit.short(ours_gone=True):
+        left = fit.free(resource, ours_gone=True)
+        if resource in (CPU, MEMORY):
+            smaller = (
+                f"set a smaller {resource}= (at most {show(resource, left)}) on the runner, in "
+                f"resources(...), on the KineticCluster or as KINETIC_{resource.upper()}, or "
+                if left > 0
+                else ""
+            )
+            fixes.append(f"{smaller}give the node pool a bigger machine type")
+        elif resource == PODS:
+            fixes.append("the node holds as many pods as it may: add nodes to the node pool")
+        else:
+            fixes.append(
+                f"the node offers {show(resource, fit.allocatable.get(resource, 0))} {resource}: "
+                "choose an accelerator that asks at most that per host, or a node pool whose "
+                "machine has more"
+            )
+    return fixes
+
+
+async def _may_list_pods(access: Any) -> str | None:
+    """None if these credentials may list pods in all namespaces, else why not."""
+    from kubernetes_asyncio import client
+
+    from kinetic_prefect.backends.gke.client import read_json
+    from kinetic_prefect.backends.gke.permissions import Access, access_review
+
+    wanted = Access("", "pods", "list", "doctor: what the pods on each node request")
+    body: Any = access_review("", wanted)  # "": every namespace
+    try:
+        review = await read_json(
+            await client.AuthorizationV1Api(access.client).create_self_subject_access_review(
+                body, _preload_content=False
+            )
+        )
+    except Exception:
+        return None  # no answer: the listing itself will tell
+    if (review.get("status") or {}).get("allowed"):
+        return None
+    return f"{access.source} may not list pods in all namespaces"
+
+
+async def _pods_on(access: Any, node: str) -> list[dict[str, Any]]:
+    """The pods bound to `node`, in every namespace."""
+    from kubernetes_asyncio import client
+
+    from kinetic_prefect.backends.gke.client import read_json
+
+    listing = await read_json(
+        await client.CoreV1Api(access.client).list_pod_for_all_namespaces(
+            field_selector=f"spec.nodeName={node}", _preload_content=False
+        )
+    )
+    return list(listing.get("items") or [])
+
+
+def _api_error(exc: BaseException) -> str:
+    from kinetic_prefect.backends.gke.client import api_error_message
+
+    return f"listing them was refused ({api_error_message(exc)})"
+
+
+def _doctor_spec(settings: Any, accelerator: Any, task_name: str, **fields: Any) -> Any:
+    """A LaunchSpec for one of the doctor's pods, from `settings` as the runner makes one."""
+    from kinetic_prefect.launch.manifest import LaunchSpec, new_job_id
+
+    return LaunchSpec(
+        job_id=new_job_id("doctor"),
+        task_name=task_name,
+        task_run_id=None,
+        flow_run_id=None,
+        accelerator=accelerator,
+        image=settings.resolved_image(),
+        namespace=settings.namespace,
+        output_dir="",
+        intervals=settings.intervals,
+        service_account=settings.service_account,
+        pod_overrides=settings.pod_overrides,
+        **fields,
+    )
 
 
 LABEL_DOCTOR = "kinetic-prefect.io/doctor"
@@ -342,7 +516,7 @@ def pods_bucket_check(cluster: Any, settings: Any) -> Check:
     from kinetic_prefect.backends.base import run_to_end
     from kinetic_prefect.launch.accelerators import parse_accelerator
     from kinetic_prefect.launch.environment import test_iam_command
-    from kinetic_prefect.launch.manifest import LaunchSpec, build_job_manifest, new_job_id
+    from kinetic_prefect.launch.manifest import build_job_manifest
     from kinetic_prefect.launch.pod_secrets import split_env
     from kinetic_prefect.pod.bootstrap import IAM_ANSWER_PREFIX
 
@@ -362,23 +536,15 @@ def pods_bucket_check(cluster: Any, settings: Any) -> Check:
     except ConfigurationError as exc:
         return Check(POD_CHECK, "fail", f"cannot start the doctor's pod: {exc}")
     plain_env, _ = split_env(settings.env)
-    spec = LaunchSpec(
-        job_id=new_job_id("doctor"),
-        task_name="kinetic-prefect doctor: task pods' bucket access",
-        task_run_id=None,
-        flow_run_id=None,
-        accelerator=parse_accelerator("cpu"),
-        image=settings.resolved_image(),
-        namespace=settings.namespace,
-        output_dir="",
+    spec = _doctor_spec(
+        settings,
+        parse_accelerator("cpu"),
+        "kinetic-prefect doctor: task pods' bucket access",
         env=plain_env,
         timeout_seconds=math.ceil(timeout),
         ttl_seconds_after_finished=math.ceil(settings.intervals.doctor_pod_ttl_seconds),
-        intervals=settings.intervals,
-        service_account=settings.service_account,
         command=tuple(test_iam_command(wanted)),
         extra_labels={LABEL_DOCTOR: "bucket-access"},
-        pod_overrides=settings.pod_overrides,
     )
     pod = f"the doctor's pod {spec.job_id} (service account {account}, image {spec.image})"
     skip = "; or skip this check with --no-pod-check"

@@ -131,13 +131,22 @@ def extended_resources(machine: Machine) -> dict[str, int]:
     return {k: v for k, v in found.items() if v}
 
 
-def system_requests(labels: dict[str, str]) -> dict[str, int]:
-    """What the system pods on a node with `labels` hold: {"cpu": m, "memory": bytes}."""
-    pods = [p for p in SYSTEM_PODS if p.needs is None or p.needs in labels]
+def system_pods(labels: dict[str, str]) -> tuple[SystemPod, ...]:
+    """The system DaemonSets' pods on a node with `labels`."""
+    return tuple(p for p in SYSTEM_PODS if p.needs is None or p.needs in labels)
+
+
+def held_by(pods: tuple[SystemPod, ...]) -> dict[str, int]:
+    """What `pods` request between them: {"cpu": m, "memory": bytes}."""
     return {
         "cpu": sum(p.cpu_millicores for p in pods),
         "memory": sum(p.memory_mib for p in pods) * 2**20,
     }
+
+
+def system_requests(labels: dict[str, str]) -> dict[str, int]:
+    """What the system pods on a node with `labels` hold: {"cpu": m, "memory": bytes}."""
+    return held_by(system_pods(labels))
 
 
 def tolerates(tolerations: list[dict[str, str]], taint: dict[str, str]) -> bool:

@@ -20,10 +20,12 @@ from tests.support.gke_machines import (
     NODE_POOL_LABEL,
     POOL_SHAPES,
     SPOT_LABEL,
+    SystemPod,
     allocatable,
     extended_resources,
+    held_by,
     quantity,
-    system_requests,
+    system_pods,
     tolerates,
 )
 
@@ -60,8 +62,14 @@ class Node:
     memory_mib: int = _DEFAULT_MEMORY_MIB
     unlimited: bool = False
     taints: list[dict[str, str]] = field(default_factory=list)
-    system: dict[str, int] = field(default_factory=dict)
+    # Its system DaemonSets' pods, which the API lists too (`system_pod_objects`).
+    system_pods: tuple[SystemPod, ...] = ()
     used: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def system(self) -> dict[str, int]:
+        """What its system pods hold (in the units of `_amount`)."""
+        return held_by(self.system_pods)
 
     def as_object(self) -> dict[str, Any]:
         resources = {k: str(v) for k, v in self.allocatable.items()}
@@ -73,6 +81,41 @@ class Node:
             "spec": {"taints": self.taints} if self.taints else {},
             "status": {"allocatable": resources},
         }
+
+    def system_pod_objects(self) -> list[dict[str, Any]]:
+        """One Pod object per system DaemonSet pod bound to this node, as the API lists them.
+
+        In `kube-system`, bound (`spec.nodeName`) and Running, each with its requests
+        (tests/support/gke_machines.py).
+        """
+        pods = []
+        for pod in self.system_pods:
+            requests = {"cpu": f"{pod.cpu_millicores}m"}
+            if pod.memory_mib:
+                requests["memory"] = f"{pod.memory_mib}Mi"
+            pods.append(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "metadata": {
+                        "name": f"{pod.name}-{self.name}",
+                        "namespace": "kube-system",
+                        "labels": {"k8s-app": pod.name},
+                    },
+                    "spec": {
+                        "nodeName": self.name,
+                        "containers": [
+                            {
+                                "name": pod.name,
+                                "image": f"gke.gcr.io/{pod.name}",
+                                "resources": {"requests": requests},
+                            }
+                        ],
+                    },
+                    "status": {"phase": "Running"},
+                }
+            )
+        return pods
 
     def untolerated(self, pod_spec: dict[str, Any]) -> dict[str, str] | None:
         """The first NoSchedule taint of this node the pod does not tolerate, if any.
@@ -171,7 +214,7 @@ def gke_nodes(
             cpu,
             memory,
             taints=[dict(t) for t in shape.taints],
-            system=system_requests(labels),
+            system_pods=system_pods(labels),
         )
         for index in range(first, first + count)
     ]

@@ -506,7 +506,7 @@ class Kubelet:
         node = node_pool.new_node(len(self._pools()[node_pool.name]))
         self.nodes.append(node)
         self._scaling[node_pool.name] -= 1
-        await self._request("POST", "/api/v1/nodes", node.as_object())
+        await self._publish(node)
         self._schedule_waiting()
 
     async def _event(
@@ -629,7 +629,13 @@ class Kubelet:
     async def publish_nodes(self) -> None:
         """Show the scheduler's nodes through the API, as `kubectl get nodes` would."""
         for node in self.nodes:
-            await self._request("POST", "/api/v1/nodes", node.as_object())
+            await self._publish(node)
+
+    async def _publish(self, node: Node) -> None:
+        """The node and its system DaemonSets' pods, as a joining node shows them."""
+        await self._request("POST", "/api/v1/nodes", node.as_object())
+        for pod in node.system_pod_objects():
+            await self._request("POST", "/api/v1/namespaces/kube-system/pods", pod)
 
     async def _terminate(self, pod: _Pod) -> None:
         """The Job is being deleted: stop the container, then remove the pod and the Job."""
