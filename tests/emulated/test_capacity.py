@@ -17,7 +17,7 @@ from prefect.futures import wait
 from kinetic_prefect import resources
 from tests.runner.test_task_runner import wait_for_gate
 from tests.support.kube_objects import gke_nodes
-from tests.support.waiting import wait_for_task_run_state, wait_until
+from tests.support.waiting import wait_for_task_run_state, wait_past_jobs, wait_until
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
 
@@ -62,12 +62,8 @@ def test_four_tasks_on_two_nodes_all_complete_waiting_for_capacity_past_the_pend
 
     def open_the_gate_once_two_waited_past_the_pending_timeout() -> None:
         try:
-            wait_until(lambda: len(cluster.created_jobs()) == 4, 120, "all four Jobs")
-            created = time.monotonic()
-            wait_until(
-                lambda: time.monotonic() - created > 2 * pending_timeout,
-                120,
-                "the waiting pods to wait past twice their pending timeout",
+            wait_past_jobs(
+                cluster, 4, 2 * pending_timeout, "the waiting pods to wait past their timeout"
             )
         finally:
             gate.touch()

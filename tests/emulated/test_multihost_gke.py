@@ -19,7 +19,7 @@ from tests.runner.test_multihost import (
     run_a_host_failing_once,
 )
 from tests.support.kube_objects import NODE_POOL_LABEL, Node, gke_nodes
-from tests.support.waiting import wait_until
+from tests.support.waiting import wait_past_jobs, wait_until
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
 
@@ -159,3 +159,46 @@ def test_a_slices_hosts_land_on_the_nodes_of_one_node_pool(gke, cluster):
     assert len(pods) == 4
     assert {nodes[p["spec"]["nodeName"]].labels[NODE_POOL_LABEL] for p in pods} == {"whole"}
     assert len({p["spec"]["nodeName"] for p in pods}) == 4
+
+
+def test_a_reclaimed_slice_waits_for_its_nodes_past_the_pending_timeout_and_completes(gke, cluster):
+    """GKE recreates a multi-host slice's nodes as a unit: until they are back, the
+    relaunched slice waits for them as for capacity, however long that takes."""
+    from tests.emulated.test_kubernetes_backend import _state_messages, alongside
+
+    cluster.kubelet.nodes = [*_tpu_nodes(4), Node("cpu-1")]
+    cluster.publish_nodes()
+    # The first slice's VMs are reclaimed under it: its pods end preempted, its nodes
+    # lose contact (Ready Unknown, the unreachable taint) until the test brings them back.
+    cluster.kubelet.fault, cluster.kubelet.fault_pods_left = "reclaim", 1
+    runner = _runner(
+        gke, accelerator="tpu-v5e-16", env=CPU_JAX, pending_timeout_seconds=PENDING_TIMEOUT
+    )
+
+    def bring_the_nodes_back_once_the_relaunch_waited_past_its_pending_timeout() -> None:
+        try:
+            wait_past_jobs(
+                cluster, 2, 2 * PENDING_TIMEOUT, "the relaunched slice to wait past its timeout"
+            )
+            assert all(node.ready == "Unknown" for node in cluster.kubelet.nodes[:4])
+        finally:
+            cluster.run(cluster.kubelet.bring_back("v5e-16"))
+
+    @flow(task_runner=runner)
+    def run() -> tuple[dict[str, object], object]:
+        future = gather_host_indices_and_pids.submit()
+        return future.result(), future.task_run_id
+
+    with alongside(bring_the_nodes_back_once_the_relaunch_waited_past_its_pending_timeout):
+        result, task_run_id = run()
+
+    assert result["processes"] == 4
+    assert len(cluster.created_jobs()) == 2  # the preempted slice and the one that waited
+    history = _state_messages(task_run_id)
+    assert len([m for _, m in history if m.startswith("Preempted:")]) == 1
+    assert any(
+        "waiting for capacity: 4/4 tpu-v5e-16 nodes not ready" in m
+        and "node.kubernetes.io/unreachable" in m
+        for kind, m in history
+        if kind == "PENDING"
+    ), history

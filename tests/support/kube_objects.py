@@ -32,6 +32,8 @@ from tests.support.gke_machines import (
 __all__ = ["INSTANCE_TYPE_LABEL", "NODE_POOL_LABEL"]
 
 _SCHEDULED = {"type": "PodScheduled", "status": "True"}
+# The taint the node lifecycle controller puts on a node whose Ready condition is Unknown.
+UNREACHABLE_TAINT = "node.kubernetes.io/unreachable"
 
 
 def now() -> str:
@@ -65,6 +67,8 @@ class Node:
     # Its system DaemonSets' pods, which the API lists too (`system_pod_objects`).
     system_pods: tuple[SystemPod, ...] = ()
     used: dict[str, int] = field(default_factory=dict)
+    # Its Ready condition: "True", "False" or "Unknown" (its kubelet stopped reporting).
+    ready: str = "True"
 
     @property
     def system(self) -> dict[str, int]:
@@ -74,13 +78,33 @@ class Node:
     def as_object(self) -> dict[str, Any]:
         resources = {k: str(v) for k, v in self.allocatable.items()}
         resources.update(cpu=f"{self.cpu_millicores}m", memory=f"{self.memory_mib}Mi")
+        ready = {"type": "Ready", "status": self.ready, "lastTransitionTime": now()}
+        if self.ready == "Unknown":
+            ready.update(reason="NodeStatusUnknown", message="Kubelet stopped posting node status.")
         return {
             "apiVersion": "v1",
             "kind": "Node",
             "metadata": {"name": self.name, "labels": self.labels},
             "spec": {"taints": self.taints} if self.taints else {},
-            "status": {"allocatable": resources},
+            "status": {"allocatable": resources, "conditions": [ready]},
         }
+
+    def lose_contact(self) -> None:
+        """Its VM went away (a reclaimed spot VM, a slice being recreated): as the node
+        lifecycle controller marks a node whose kubelet stopped posting status, Ready is
+        Unknown and the node carries `node.kubernetes.io/unreachable` for NoSchedule and
+        NoExecute (https://kubernetes.io/docs/concepts/scheduling-eviction/taint-and-toleration/
+        #taint-nodes-by-condition)."""
+        self.ready = "Unknown"
+        self.taints = [t for t in self.taints if t["key"] != UNREACHABLE_TAINT]
+        self.taints += [
+            {"key": UNREACHABLE_TAINT, "effect": e} for e in ("NoSchedule", "NoExecute")
+        ]
+
+    def come_back(self) -> None:
+        """Its kubelet reports Ready again, and the controller lifts the condition's taints."""
+        self.ready = "True"
+        self.taints = [t for t in self.taints if t["key"] != UNREACHABLE_TAINT]
 
     def system_pod_objects(self) -> list[dict[str, Any]]:
         """One Pod object per system DaemonSet pod bound to this node, as the API lists them.

@@ -116,7 +116,8 @@ class Kubelet:
     """Kubelet, scheduler and Job controller for the emulator (see the module docstring).
 
     Faults (`fault`, or `faults_by_job` for one Job), applied to a pod once it runs,
-    without starting its container: `"oom"`, `"evict"`, `"preempt"`, `"deadline"`, and
+    without starting its container: `"oom"`, `"evict"`, `"preempt"`, `"reclaim"` (preempted
+    as its nodes lose contact, until `bring_back` their pool), `"deadline"`, and
     `"hang"` (it runs until its Job is deleted); `fault_pods_left` limits `fault` to that
     many pods. `run_containers=False` ends every
     pod with exit code 0 without running it (for request counting at scale).
@@ -578,7 +579,13 @@ class Kubelet:
                         "message": "The node was low on resource: memory.",
                     },
                 )
-            elif fault == "preempt":
+            elif fault in ("preempt", "reclaim"):
+                if fault == "reclaim":
+                    # The VMs under it go away (a reclaimed spot slice): its nodes lose
+                    # contact before its pods end, so its next pods find them down.
+                    for node in pod.nodes:
+                        node.lose_contact()
+                        await self._update_node(node)
                 await self._finish(
                     pod,
                     143,
@@ -625,6 +632,19 @@ class Kubelet:
         self.fault_pods_left -= 1
         if self.fault_pods_left <= 0:
             self.fault, self.fault_pods_left = None, None
+
+    async def _update_node(self, node: Node) -> None:
+        body = node.as_object()
+        patch = {"spec": {"taints": node.taints}, "status": body["status"]}
+        await self._request("PATCH", f"/api/v1/nodes/{node.name}", patch)
+
+    async def bring_back(self, pool: str) -> None:
+        """A node pool's nodes are Ready again (GKE recreated them): waiting pods may land."""
+        for node in self.nodes:
+            if node.pool == pool:
+                node.come_back()
+                await self._update_node(node)
+        self._schedule_waiting()
 
     async def publish_nodes(self) -> None:
         """Show the scheduler's nodes through the API, as `kubectl get nodes` would."""

@@ -32,6 +32,16 @@ def wait_until(
         delay = min(delay * 2, 0.25)
 
 
+def wait_past_jobs(cluster: object, jobs: int, seconds: float, what: str) -> None:
+    """Wait until the cluster has had `jobs` Jobs created, then `seconds` more: for a case
+    that holds capacity back past a timeout of the product's (twice it, say) counted from
+    its last Job's creation."""
+    created_jobs: Callable[[], list[object]] = cluster.created_jobs  # type: ignore[attr-defined]
+    wait_until(lambda: len(created_jobs()) >= jobs, 120, f"{jobs} Jobs to be created")
+    since = time.monotonic()
+    wait_until(lambda: time.monotonic() - since > seconds, seconds + 120, what)
+
+
 def task_run_state(task_run_id: object) -> object:
     """The task run's state as the API has it (None if the API does not know it yet)."""
     from prefect import get_client

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kinetic_prefect.backends.gke.status import pending
+from kinetic_prefect.backends.gke.status import nodes_down, pending, reads_nodes
 from kinetic_prefect.launch.slices import build_workload
 from tests.support.kube_objects import (
     Node,
@@ -222,3 +222,97 @@ def test_a_slice_behind_a_slice_holding_its_pool_waits_and_one_split_over_pools_
     assert "4/4 tpu-v5e-16 nodes busy (Insufficient google.com/tpu)" in behind.reason
     assert never is not None and not never.waits_for_capacity
     assert "didn't match pod affinity rules" in never.reason
+
+
+def _slice_behind_nodes_that_lost_contact() -> tuple[dict[str, Any], dict[str, Any], list[Node]]:
+    job = _job("tpu-v5e-16")
+    nodes = [*gke_nodes("v5e-16", "tpu-v5e-16", 4), Node("cpu-1")]
+    for node in nodes[:4]:
+        node.lose_contact()
+    message = unschedulable_message(nodes, job["spec"]["template"]["spec"], 4)
+    assert message is not None and "4 node(s) had untolerated taint(s)" in message
+    return job, _unschedulable_pod(job, message), nodes
+
+
+def test_a_slice_whose_nodes_lost_contact_waits_for_them_to_come_back():
+    job, pod, nodes = _slice_behind_nodes_that_lost_contact()
+
+    waiting = pending(pod, job, [], [n.as_object() for n in nodes[:4]])
+
+    assert waiting is not None and waiting.waits_for_capacity and waiting.waits_for_nodes
+    assert waiting.reason.startswith(
+        "waiting for capacity: 4/4 tpu-v5e-16 nodes not ready (gke-v5e-16-"
+    ), waiting.reason
+    assert "Ready=Unknown, node.kubernetes.io/unreachable" in waiting.reason
+
+
+def test_nodes_turned_away_by_a_taint_that_are_all_ready_never_take_the_pod():
+    # The TPU taint on another kind's nodes, or nodes of its kind all back: never by waiting.
+    job, pod, nodes = _slice_behind_nodes_that_lost_contact()
+    for node in nodes[:4]:
+        node.come_back()
+
+    never = pending(pod, job, [], [n.as_object() for n in nodes[:4]])
+
+    assert never is not None and not never.waits_for_capacity
+    assert "node-reader" not in never.reason
+
+
+def test_a_runner_that_cannot_list_nodes_is_told_what_to_grant_to_wait_for_them():
+    job, pod, _ = _slice_behind_nodes_that_lost_contact()
+
+    never = pending(pod, job)
+
+    assert never is not None and not never.waits_for_capacity
+    assert "let the runner list nodes (the ClusterRole kinetic-prefect-node-reader" in never.reason
+
+
+def _node(
+    ready: str | None, taints: list[dict[str, str]], cordoned: bool = False
+) -> dict[str, Any]:
+    conditions = [{"type": "Ready", "status": ready}] if ready else []
+    spec: dict[str, Any] = {"taints": taints, **({"unschedulable": True} if cordoned else {})}
+    return {"metadata": {"name": "n"}, "spec": spec, "status": {"conditions": conditions}}
+
+
+_NOT_READY = {"key": "node.kubernetes.io/not-ready", "effect": "NoSchedule"}
+_CORDON = {"key": "node.kubernetes.io/unschedulable", "effect": "NoSchedule"}
+_TPU = {"key": "google.com/tpu", "value": "present", "effect": "NoSchedule"}
+
+
+@pytest.mark.parametrize(
+    ("node", "down"),
+    [
+        (_node("True", [_TPU]), None),
+        (_node("False", [_NOT_READY, _TPU]), "Ready=False, node.kubernetes.io/not-ready"),
+        (_node("True", [_CORDON], cordoned=True), "node.kubernetes.io/unschedulable"),
+        (_node("True", [], cordoned=True), "cordoned"),
+        (_node(None, [_NOT_READY]), "node.kubernetes.io/not-ready"),
+        (_node("True", [{**_NOT_READY, "effect": "PreferNoSchedule"}]), None),
+    ],
+    ids=["ready, TPU taint", "not ready", "cordoned, tainted", "cordoned", "no status", "soft"],
+)
+def test_nodes_down_are_those_not_ready_tainted_for_a_condition_or_cordoned(node, down):
+    assert nodes_down([node]).get("n") == down
+
+
+@pytest.mark.parametrize(
+    ("message", "reads"),
+    [
+        (
+            "0/2 nodes are available: 2 Insufficient nvidia.com/gpu. preemption: 0/2 nodes are "
+            "available: 2 No preemption victims found for incoming pod.",
+            False,
+        ),
+        (
+            "0/5 nodes are available: 1 node(s) didn't match Pod's node affinity/selector, "
+            "4 node(s) had untolerated taint(s). no new claims to deallocate, preemption: 0/5 "
+            "nodes are available: 5 Preemption is not helpful for scheduling.",
+            True,
+        ),
+        ("0/3 nodes are available: 3 node(s) were unschedulable.", True),
+    ],
+    ids=["busy", "tainted", "cordoned"],
+)
+def test_the_nodes_are_read_only_when_a_taint_or_cordon_turned_the_pod_away(message, reads):
+    assert reads_nodes(_unschedulable_pod(_job("l4"), message)) is reads

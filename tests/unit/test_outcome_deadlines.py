@@ -37,6 +37,28 @@ NEVER = (
     "preemption: 0/3 nodes are available: 3 Preemption is not helpful for scheduling."
 )
 
+# A TPU slice's four nodes turned it away for a taint (their unreachable one, or another
+# kind's accelerator taint): whether it waits depends on those nodes, read with its events.
+TAINTED = (
+    "0/5 nodes are available: 1 node(s) didn't match Pod's node affinity/selector, 4 node(s) "
+    "had untolerated taint(s). no new claims to deallocate, preemption: 0/5 nodes are "
+    "available: 5 Preemption is not helpful for scheduling."
+)
+
+
+def _nodes(ready: str) -> list[dict[str, Any]]:
+    taints = [{"key": "google.com/tpu", "value": "present", "effect": "NoSchedule"}]
+    if ready != "True":
+        taints.append({"key": "node.kubernetes.io/unreachable", "effect": "NoSchedule"})
+    return [
+        {
+            "metadata": {"name": f"tpu-{index}"},
+            "spec": {"taints": taints},
+            "status": {"conditions": [{"type": "Ready", "status": ready}]},
+        }
+        for index in range(4)
+    ]
+
 
 def _unschedulable(message: str) -> dict[str, Any]:
     return {"metadata": {"name": "kp-train-x7k2p"}, "status": unschedulable_status(message)}
@@ -191,6 +213,36 @@ def _run(
             3600.0,
             [],
             id="without a queue timeout a pod waits for busy nodes as long as it takes",
+        ),
+        pytest.param(
+            "tpu-v5e-16",
+            None,
+            [(1.0, {"pod": _unschedulable(TAINTED)}), (5.0, {"pod_nodes": _nodes("Unknown")})],
+            60.0,
+            [
+                (5.0, "probed events"),
+                (20.0, "probed events"),
+                (35.0, "probed events"),
+                (50.0, "probed events"),
+            ],
+            id="a slice whose nodes are not ready waits for them, reading them again meanwhile",
+        ),
+        pytest.param(
+            "tpu-v5e-16",
+            None,
+            [
+                (1.0, {"pod": _unschedulable(TAINTED)}),
+                (5.0, {"pod_nodes": _nodes("Unknown")}),
+                (35.0, {"pod_nodes": _nodes("True")}),
+            ],
+            100.0,
+            [
+                (5.0, "probed events"),
+                (20.0, "probed events"),
+                (35.0, "probed events"),
+                (40.0, "failed to start: past the pending timeout"),
+            ],
+            id="nodes back and still turning it away: the pending clock runs on from its wait",
         ),
         pytest.param(
             "l4",

@@ -428,10 +428,13 @@ async def delete_job(access: ClusterAccess, namespace: str, name: str) -> bool:
     return True
 
 
-async def list_nodes(access: ClusterAccess) -> list[dict[str, Any]]:
-    """The cluster's nodes (needs a ClusterRole that may list nodes)."""
+async def list_nodes(access: ClusterAccess, label_selector: str = "") -> list[dict[str, Any]]:
+    """The cluster's nodes, or those `label_selector` matches (needs a ClusterRole that may
+    list nodes)."""
     listing = await read_json(
-        await client.CoreV1Api(access.client).list_node(_preload_content=False)
+        await client.CoreV1Api(access.client).list_node(
+            label_selector=label_selector, _preload_content=False
+        )
     )
     return list(listing.get("items") or [])
 

@@ -24,6 +24,7 @@ from kinetic_prefect.backends.gke.client import (
     api_error_message,
     delete_job,
     job_events,
+    list_nodes,
     pod_log,
     pods_of_job,
 )
@@ -35,7 +36,9 @@ from kinetic_prefect.backends.gke.status import (
     failed_create_reason,
     infrastructure_took,
     lasting_failed_create,
+    node_selector_of,
     pending,
+    reads_nodes,
 )
 from kinetic_prefect.backends.gke.watch import TrackedJob
 from kinetic_prefect.launch.slices import host_index
@@ -191,7 +194,9 @@ class JobEnding:
         if reason is None:
             if job.pod is None or job.unschedulable:
                 await self._probe_events(job)
-            waiting = pending(job.pod, job.manifest, job.pod_events) if job.pod else None
+            waiting = (
+                pending(job.pod, job.manifest, job.pod_events, job.pod_nodes) if job.pod else None
+            )
             if waiting is not None and waiting.waits_for_capacity:
                 # Its events say a node is on its way: it waits for capacity after all.
                 job.failing_to_start = False
@@ -208,11 +213,15 @@ class JobEnding:
 
     async def _probe_events(self, job: TrackedJob) -> None:
         """Look for FailedCreate events on a Job that has no pod (quota, admission, RBAC), or
-        for the autoscaler's events on an unschedulable pod (a node on its way)."""
+        for the autoscaler's events on an unschedulable pod (a node on its way) and, when the
+        scheduler turned nodes away for a taint or cordon, for the nodes of its kind (nodes
+        down for repair)."""
         pod_name = job.pod_name
         try:
             if pod_name is not None:
                 job.pod_events = await job_events(self._core, job.namespace, pod_name, "Pod")
+                if reads_nodes(job.pod):
+                    job.pod_nodes = await self._nodes_of_kind(job)
             else:
                 events = await job_events(self._core, job.namespace, job.job_id)
         except Exception as exc:
@@ -229,3 +238,12 @@ class JobEnding:
             self._start_failing(job, lasting)
             return
         self._report_pending(job, reason)
+
+    async def _nodes_of_kind(self, job: TrackedJob) -> list[dict[str, Any]] | None:
+        """The nodes the job's node selector matches; None when they cannot be listed (the
+        runner's identity may not list nodes: its pending reason says what to grant)."""
+        try:
+            return await list_nodes(self._access, node_selector_of(job.manifest))
+        except ApiException as exc:
+            logger.debug("Could not list the nodes of %s: %s", job.job_id, exc)
+            return None

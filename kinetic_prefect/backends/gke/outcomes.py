@@ -25,7 +25,12 @@ not count toward `pending_timeout_seconds`, only toward `queue_timeout_seconds`
 (None: it waits as long as it takes). An unschedulable pod that no node matches has
 its own events read once it has been pending a probe interval, and again before it
 fails: a TriggeredScaleUp there (a node pool growing from zero) makes it a capacity
-wait. A pod the scheduler says is waiting for busy nodes costs no event reads.
+wait. A pod the scheduler says is waiting for busy nodes costs no event reads. An
+unschedulable pod that the scheduler turned away from nodes for a taint or a cordon
+has the nodes of its kind read with its events: when some of them are not ready or
+cordoned (a node pool being repaired or recreated, as GKE recreates a TPU slice's
+nodes together) it waits for capacity too, and those nodes are read again every
+probe interval while it waits for them.
 
 Nothing here calls the API or runs callbacks: the backend passes in what to do
 when a job ends, waits, fails to start or needs a probe.
@@ -202,9 +207,12 @@ class OutcomeTracker:
                 job.settle_by = self._clock() + wait
                 self.poke()
             return
-        waiting = pending(pod, job.manifest, job.pod_events) if pod is not None else None
+        waiting = (
+            pending(pod, job.manifest, job.pod_events, job.pod_nodes) if pod is not None else None
+        )
         self._track_capacity_wait(job, waiting is not None and waiting.waits_for_capacity)
         job.unschedulable = waiting is not None and waiting.unschedulable
+        job.waits_for_nodes = waiting is not None and waiting.waits_for_nodes
         if waiting is not None and not pod_started(pod):
             reason = waiting.reason
             if waiting.waits_for_capacity:
@@ -294,6 +302,16 @@ class OutcomeTracker:
         if admitted is not None and not (job.cancelled or pod_started(job.pod) or job.job_gone):
             waited = self.capacity_waited(job, now)
             if job.capacity_since is not None:
+                if job.waits_for_nodes:
+                    # Nodes down for repair: read them again now and then, so that a pod
+                    # they come back unfit for is not left waiting on them.
+                    again = now + self.intervals.events_probe_interval_seconds
+                    if job.next_probe == math.inf:
+                        job.next_probe = again
+                    elif now >= job.next_probe:
+                        job.next_probe = again
+                        self._probe_events(job)
+                    moments.append(job.next_probe)
                 if self.queue_timeout_seconds is None:
                     return min(moments) if moments else None
                 deadline = job.capacity_since + self.queue_timeout_seconds - job.capacity_waited

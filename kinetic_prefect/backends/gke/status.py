@@ -213,17 +213,23 @@ class Pending:
     waits_for_capacity: bool = False
     # The scheduler said Unschedulable (the pod's events may tell more).
     unschedulable: bool = False
+    # It waits for nodes of its kind that are not ready or cordoned (`nodes_down`): a
+    # node pool being repaired or recreated, which may come back without any pod ending.
+    waits_for_nodes: bool = False
 
 
 def pending(
     pod: Mapping[str, Any],
     manifest: Mapping[str, Any],
     events: Sequence[Mapping[str, Any]] = (),
+    nodes: Sequence[Mapping[str, Any]] | None = None,
 ) -> Pending | None:
     """Why a pending pod is not running, when Kubernetes says so; None while it just starts.
 
     `events`: the pod's own events, when they were read: the cluster autoscaler's
     TriggeredScaleUp / NotTriggerScaleUp tell whether a node is on its way.
+    `nodes`: the nodes its node selector matches, when they were read (`reads_nodes`):
+    nodes of its kind that are not ready or cordoned will take it once they are back.
     """
     container = _task_container_status(pod)
     waiting = (container.get("state") or {}).get("waiting") or {}
@@ -238,8 +244,58 @@ def pending(
         if condition.get("type") == "PodScheduled" and condition.get("status") == "False":
             if condition.get("reason") != "Unschedulable":
                 continue
-            return _unschedulable(str(condition.get("message") or ""), manifest, events)
+            return _unschedulable(str(condition.get("message") or ""), manifest, events, nodes)
     return None
+
+
+def _scheduled_condition_message(pod: Mapping[str, Any]) -> str:
+    for condition in _conditions(pod):
+        if condition.get("type") == "PodScheduled" and condition.get("reason") == "Unschedulable":
+            return str(condition.get("message") or "")
+    return ""
+
+
+def reads_nodes(pod: Mapping[str, Any] | None) -> bool:
+    """Whether telling why the pod waits needs the nodes of its kind read: the scheduler
+    turned nodes away for a taint or a cordon, which a node that is not ready carries."""
+    fit = _FIT_ERROR.match(_scheduled_condition_message(pod or {}))
+    reasons = _histogram(fit.group("reasons")) if fit else {}
+    return any(_UNTOLERATED in r or _CORDONED in r for r in reasons)
+
+
+def node_selector_of(manifest: Mapping[str, Any]) -> str:
+    """The pod's node selector as a label selector (which nodes are of its kind)."""
+    selector = manifest["spec"]["template"]["spec"].get("nodeSelector") or {}
+    return ",".join(f"{key}={value}" for key, value in sorted(selector.items()))
+
+
+def nodes_down(nodes: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+    """The nodes that take no new pod until they are back, by name, each with why.
+
+    A node whose Ready condition is not True, or that carries one of the taints the node
+    lifecycle controller puts on such a node (`node.kubernetes.io/not-ready`,
+    `unreachable`, `unschedulable`, ...), or that is cordoned (`spec.unschedulable`).
+    """
+    down: dict[str, str] = {}
+    for node in nodes:
+        name = str((node.get("metadata") or {}).get("name") or "")
+        spec = node.get("spec") or {}
+        ready = true_condition(node, "Ready") is not None
+        said = [c for c in _conditions(node) if c.get("type") == "Ready"]
+        taints = [
+            str(t.get("key"))
+            for t in spec.get("taints") or []
+            if str(t.get("key") or "").startswith(_NODE_CONDITION_TAINT)
+            and t.get("effect") in {"NoSchedule", "NoExecute"}
+        ]
+        why = sorted(set(taints))
+        if said and not ready:
+            why.insert(0, f"Ready={said[0].get('status')}")
+        if spec.get("unschedulable") and f"{_NODE_CONDITION_TAINT}unschedulable" not in why:
+            why.append("cordoned")
+        if why:
+            down[name] = ", ".join(why)
+    return down
 
 
 def pending_reason(pod: Mapping[str, Any], manifest: Mapping[str, Any]) -> str | None:
@@ -266,6 +322,12 @@ _MISMATCH = "didn't match Pod's node affinity/selector"
 # A node whose NoSchedule taint the pod does not tolerate (GKE taints GPU and TPU nodes):
 # "node(s) had untolerated taint {google.com/tpu: present}", kube-scheduler's TaintToleration.
 _UNTOLERATED = "had untolerated taint"
+# A cordoned node (`spec.unschedulable`), kube-scheduler's NodeUnschedulable.
+_CORDONED = "were unschedulable"
+# The taints Kubernetes puts on a node for its conditions (not ready, unreachable,
+# cordoned, under pressure): https://kubernetes.io/docs/concepts/scheduling-eviction/
+# taint-and-toleration/#taint-nodes-by-condition
+_NODE_CONDITION_TAINT = "node.kubernetes.io/"
 _TRIGGERED_SCALE_UP = "TriggeredScaleUp"
 _NOT_TRIGGERED_SCALE_UP = "NotTriggerScaleUp"
 _MAX_SIZE = "max node group size reached"
@@ -285,7 +347,10 @@ def _event_time(event: Mapping[str, Any]) -> str:
 
 
 def _unschedulable(
-    message: str, manifest: Mapping[str, Any], events: Sequence[Mapping[str, Any]]
+    message: str,
+    manifest: Mapping[str, Any],
+    events: Sequence[Mapping[str, Any]],
+    nodes: Sequence[Mapping[str, Any]] | None = None,
 ) -> Pending:
     """Capacity that exists (busy nodes of its kind, a node on its way), or never fitting."""
     autoscaler = _latest_autoscaler_event(events)
@@ -319,7 +384,29 @@ def _unschedulable(
             waits_for_capacity=True,
             unschedulable=True,
         )
+    turned_away = sum(n for r, n in reasons.items() if _UNTOLERATED in r or _CORDONED in r)
+    down = nodes_down(nodes or ()) if turned_away else {}
+    if down:
+        accelerator = (manifest["metadata"].get("annotations") or {}).get(ANNOTATION_ACCELERATOR)
+        kind = f"{accelerator} " if accelerator else ""
+        named = "; ".join(f"{name}: {why}" for name, why in sorted(down.items())[:4])
+        more = f"; and {len(down) - 4} more" if len(down) > 4 else ""
+        return Pending(
+            f"{WAITING_FOR_CAPACITY}: {len(down)}/{len(nodes or ())} {kind}nodes not ready "
+            f"({named}{more}); the pod starts once they are back (GKE repairs or recreates a "
+            "node pool's nodes, a TPU slice's all at once)",
+            waits_for_capacity=True,
+            unschedulable=True,
+            waits_for_nodes=True,
+        )
     hint = accelerator_hint(manifest)
+    if turned_away and nodes is None:
+        repair = (
+            "nodes a taint or cordon turned away may be down for repair: to wait for them "
+            "instead, let the runner list nodes (the ClusterRole kinetic-prefect-node-reader "
+            "in deployments/k8s/rbac.yaml, bound by deployments/k8s/node-reader-binding.yaml)"
+        )
+        hint = "; ".join(part for part in (hint, repair) if part)
     text = f"unschedulable: {message or 'no node fits the pod'}"
     if autoscaler is not None:
         text += f" (cluster autoscaler: {said})"
