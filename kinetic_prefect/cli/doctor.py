@@ -277,6 +277,7 @@ async def _node_pool_check(access: Any, settings: Any, name: str, list_nodes: An
     The pod is the one a runner with `settings` would launch for accelerator `name`; it fits
     a node as kube-scheduler's NodeResourcesFit decides (`kinetic_prefect.cli.node_fit`).
     """
+    from kinetic_prefect.backends.gke.status import nodes_down
     from kinetic_prefect.cli.node_fit import node_fit
     from kinetic_prefect.launch.accelerators import parse_accelerator
     from kinetic_prefect.launch.slices import build_workload, hosts_of
@@ -332,6 +333,18 @@ async def _node_pool_check(access: Any, settings: Any, name: str, list_nodes: An
     detail = f"{accelerator.name}: {len(matching)} node(s) with {wanted}" + (
         f" ({', '.join(offered)})" if offered else ""
     )
+    down = nodes_down(matching)
+    if down:
+        named = "; ".join(f"{node}: {why}" for node, why in sorted(down.items())[:4])
+        detail += f"; {len(down)} not ready or cordoned, which take no pod now ({named})"
+        matching = [n for n in matching if (n.get("metadata") or {}).get("name") not in down]
+        if not matching:
+            return Check(
+                "Node pools",
+                "warn",
+                f"{detail}. GKE may be repairing or recreating them; run doctor again once "
+                "they are Ready (kubectl get nodes)",
+            )
     hosts = hosts_of(job)
     unlisted = await _may_list_pods(access)
     fits = []

@@ -104,3 +104,18 @@ def test_credentials_that_may_not_list_pods_get_a_warning_and_allocatable_alone(
     assert "the pods already on the nodes were not counted: " in check
     assert "may not list pods in all namespaces" in check
     assert "roles/container.viewer" in check
+
+
+def test_nodes_of_its_kind_that_lost_contact_are_named_and_hold_no_pod_now(doctor, cluster):
+    apply(cluster.admin, "default", POD_READER)
+    cluster.run(cluster.kubelet.take_down(cluster.kubelet.nodes[:1]))
+
+    code, output = run_doctor("--cluster", doctor, "--accelerator", "l4")
+
+    assert code == 0, output
+    check = output[output.index("warn Node pools: l4: 1 node(s)") :]
+    assert (
+        "1 not ready or cordoned, which take no pod now (gke-l4-pool-0: Ready=Unknown, "
+        "node.kubernetes.io/unreachable)"
+    ) in check
+    assert "run doctor again once they are Ready" in check

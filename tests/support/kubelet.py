@@ -583,9 +583,7 @@ class Kubelet:
                 if fault == "reclaim":
                     # The VMs under it go away (a reclaimed spot slice): its nodes lose
                     # contact before its pods end, so its next pods find them down.
-                    for node in pod.nodes:
-                        node.lose_contact()
-                        await self._update_node(node)
+                    await self.take_down(pod.nodes)
                 await self._finish(
                     pod,
                     143,
@@ -637,6 +635,12 @@ class Kubelet:
         body = node.as_object()
         patch = {"spec": {"taints": node.taints}, "status": body["status"]}
         await self._request("PATCH", f"/api/v1/nodes/{node.name}", patch)
+
+    async def take_down(self, nodes: list[Node]) -> None:
+        """`nodes` lose contact (their VMs went away): Ready Unknown, and unreachable."""
+        for node in nodes:
+            node.lose_contact()
+            await self._update_node(node)
 
     async def bring_back(self, pool: str) -> None:
         """A node pool's nodes are Ready again (GKE recreated them): waiting pods may land."""
