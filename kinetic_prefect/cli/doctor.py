@@ -359,6 +359,12 @@ async def _node_pool_check(access: Any, settings: Any, name: str, list_nodes: An
         if unlisted is None and len(_able(fits, hosts)) >= hosts:
             break  # enough nodes hold it now: the rest need not be asked about
     level, verdict = _fit_verdict(fits, hosts)
+    if down and level == "fail":
+        level = "warn"
+        verdict += (
+            "; nodes of its kind are down meanwhile, so this may change once they are back: "
+            "run doctor again once they are Ready (kubectl get nodes)"
+        )
     if unlisted is not None:
         verdict += (
             f" (the pods already on the nodes were not counted: {unlisted}. Their requests, "

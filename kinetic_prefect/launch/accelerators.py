@@ -304,7 +304,7 @@ def parse_quantity(value: str) -> float:
     if match is None:
         raise ValueError(f"{value!r} is not a Kubernetes quantity")
     suffix = match["suffix"] or ""
-    if suffix[:1] in "eE" and suffix:
+    if suffix not in _SUFFIXES and suffix:  # an exponent: "1e3", "5E-2"
         return float(match["number"] + suffix)
     return float(match["number"]) * _SUFFIXES.get(suffix, 1.0)
 

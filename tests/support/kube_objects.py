@@ -69,6 +69,8 @@ class Node:
     used: dict[str, int] = field(default_factory=dict)
     # Its Ready condition: "True", "False" or "Unknown" (its kubelet stopped reporting).
     ready: str = "True"
+    # Cordoned (`kubectl cordon`: spec.unschedulable), with the taint Kubernetes adds for it.
+    cordoned: bool = False
 
     @property
     def system(self) -> dict[str, int]:
@@ -85,7 +87,10 @@ class Node:
             "apiVersion": "v1",
             "kind": "Node",
             "metadata": {"name": self.name, "labels": self.labels},
-            "spec": {"taints": self.taints} if self.taints else {},
+            "spec": {
+                **({"taints": self.taints} if self.taints else {}),
+                **({"unschedulable": True} if self.cordoned else {}),
+            },
             "status": {"allocatable": resources, "conditions": [ready]},
         }
 
@@ -301,15 +306,24 @@ def _fit_error(total: int, reasons: list[str], verdicts: list[str]) -> str:
 # 1.34 and later name no taint: kubernetes/kubernetes#134740; before, "node(s) had
 # untolerated taint {KEY: VALUE}").
 UNTOLERATED_TAINT = "node(s) had untolerated taint(s)"
+# kube-scheduler's NodeUnschedulable reason for a cordoned node, and the taint a cordon adds
+# (a pod tolerating it may land there all the same).
+CORDONED = "node(s) were unschedulable"
+CORDON_TAINT = "node.kubernetes.io/unschedulable"
 
 
 def _node_verdict(node: Node, pod_spec: dict[str, Any]) -> tuple[list[str], str]:
     """(the scheduler's reasons against `node`, its preemption verdict); no reasons: it fits.
 
     Filters run in kube-scheduler's default order, the first that fails giving the
-    node's reason: TaintToleration, then NodeAffinity (the node selector), then
-    NodeResourcesFit. A taint or a selector no pod's end can change is "not helpful".
+    node's reason: NodeUnschedulable (a cordon), TaintToleration, then NodeAffinity (the
+    node selector), then NodeResourcesFit. A cordon, a taint or a selector no pod's end
+    can change is "not helpful".
     """
+    if node.cordoned and not tolerates(
+        list(pod_spec.get("tolerations") or []), {"key": CORDON_TAINT, "effect": "NoSchedule"}
+    ):
+        return [CORDONED], _NOT_HELPFUL
     if node.untolerated(pod_spec) is not None:
         return [UNTOLERATED_TAINT], _NOT_HELPFUL
     requests = pod_requests(pod_spec)

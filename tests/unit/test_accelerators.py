@@ -6,6 +6,7 @@ from kinetic_prefect.launch.accelerators import (
     catalogue,
     machine_type,
     parse_accelerator,
+    parse_quantity,
     tpu_aliases,
 )
 
@@ -298,3 +299,19 @@ def test_allocatable_follows_gkes_documented_reservation() -> None:
     # plan-node-sizes: a 4 vCPU / 16 GiB node reserves 80m of CPU (6% + 1% + 2 x 0.5%) and
     # 2.6 GiB of memory (25% of 4 + 20% of 4 + 10% of 8) plus the 100 MiB eviction threshold.
     assert machine_type("g2-standard-4").allocatable() == (3920, int(16 * 1024 - 2.6 * 1024 - 100))
+
+
+@pytest.mark.parametrize(
+    ("quantity", "value"),
+    [
+        ("500m", 0.5),
+        ("2", 2.0),
+        ("1Ki", 1024.0),
+        ("3920m", 3.92),
+        ("1e3", 1000.0),
+        ("2E", 2e18),
+        ("1Ei", 2.0**60),
+    ],
+)
+def test_kubernetes_quantities_read_with_their_suffixes_and_exponents(quantity, value):
+    assert parse_quantity(quantity) == value

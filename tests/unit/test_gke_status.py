@@ -261,10 +261,56 @@ def test_nodes_turned_away_by_a_taint_that_are_all_ready_never_take_the_pod():
 def test_a_runner_that_cannot_list_nodes_is_told_what_to_grant_to_wait_for_them():
     job, pod, _ = _slice_behind_nodes_that_lost_contact()
 
-    never = pending(pod, job)
+    refused = pending(pod, job, nodes_refused=True)
+    not_read_yet = pending(pod, job)
+
+    assert refused is not None and not refused.waits_for_capacity
+    assert (
+        "let the runner list nodes (the ClusterRole kinetic-prefect-node-reader" in refused.reason
+    )
+    assert not_read_yet is not None and "node-reader" not in not_read_yet.reason
+
+
+def test_a_pod_too_big_for_the_nodes_of_its_kind_never_waits_for_those_that_are_down():
+    # Eight L4s asked of 4-GPU nodes: one of them down changes nothing.
+    job = _job("l4x8")
+    nodes = gke_nodes("l4x4", "l4x4", 2)
+    nodes[0].lose_contact()
+    message = unschedulable_message(nodes, job["spec"]["template"]["spec"])
+    assert message is not None
+
+    never = pending(_unschedulable_pod(job, message), job, [], [n.as_object() for n in nodes])
 
     assert never is not None and not never.waits_for_capacity
-    assert "let the runner list nodes (the ClusterRole kinetic-prefect-node-reader" in never.reason
+
+
+def test_a_slice_with_fewer_nodes_of_its_kind_than_hosts_never_waits_for_them():
+    job = _job("tpu-v5e-16")
+    nodes = gke_nodes("v5e-16", "tpu-v5e-16", 2)
+    for node in nodes:
+        node.lose_contact()
+    message = unschedulable_message(nodes, job["spec"]["template"]["spec"], 4)
+    assert message is not None
+
+    never = pending(_unschedulable_pod(job, message), job, [], [n.as_object() for n in nodes])
+
+    assert never is not None and not never.waits_for_capacity
+
+
+def test_a_cordoned_node_pool_is_waited_for_as_kube_scheduler_words_it():
+    job = _job("tpu-v5e-4")
+    nodes = gke_nodes("v5e-4", "tpu-v5e-4", 2)
+    for node in nodes:
+        node.cordoned = True
+    message = unschedulable_message(nodes, job["spec"]["template"]["spec"])
+    assert message is not None and "2 node(s) were unschedulable" in message
+    pod = _unschedulable_pod(job, message)
+    assert reads_nodes(pod, job)
+
+    waiting = pending(pod, job, [], [n.as_object() for n in nodes])
+
+    assert waiting is not None and waiting.waits_for_nodes
+    assert "2/2 tpu-v5e-4 nodes not ready (gke-v5e-4-0: cordoned;" in waiting.reason
 
 
 def _node(
@@ -289,8 +335,20 @@ _TPU = {"key": "google.com/tpu", "value": "present", "effect": "NoSchedule"}
         (_node("True", [], cordoned=True), "cordoned"),
         (_node(None, [_NOT_READY]), "node.kubernetes.io/not-ready"),
         (_node("True", [{**_NOT_READY, "effect": "PreferNoSchedule"}]), None),
+        (
+            _node("True", [{"key": "node.kubernetes.io/memory-pressure", "effect": "NoSchedule"}]),
+            None,
+        ),
     ],
-    ids=["ready, TPU taint", "not ready", "cordoned, tainted", "cordoned", "no status", "soft"],
+    ids=[
+        "ready, TPU taint",
+        "not ready",
+        "cordoned, tainted",
+        "cordoned",
+        "no status",
+        "soft",
+        "under pressure, ready",
+    ],
 )
 def test_nodes_down_are_those_not_ready_tainted_for_a_condition_or_cordoned(node, down):
     assert nodes_down([node]).get("n") == down
@@ -315,4 +373,7 @@ def test_nodes_down_are_those_not_ready_tainted_for_a_condition_or_cordoned(node
     ids=["busy", "tainted", "cordoned"],
 )
 def test_the_nodes_are_read_only_when_a_taint_or_cordon_turned_the_pod_away(message, reads):
-    assert reads_nodes(_unschedulable_pod(_job("l4"), message)) is reads
+    job, cpu_job = _job("l4"), _job("cpu")
+    assert reads_nodes(_unschedulable_pod(job, message), job) is reads
+    # Any node is a cpu pod's kind: not worth listing them all.
+    assert reads_nodes(_unschedulable_pod(cpu_job, message), cpu_job) is False

@@ -20,7 +20,7 @@ from kinetic_prefect.backends.gke.outcomes import OutcomeTracker
 from kinetic_prefect.backends.gke.watch import TrackedJob
 from kinetic_prefect.common.intervals import Intervals
 from kinetic_prefect.launch.slices import build_workload
-from tests.support.kube_objects import unschedulable_status
+from tests.support.kube_objects import gke_nodes, unschedulable_status
 from tests.unit.test_manifest import _spec
 
 PENDING = 10.0
@@ -47,17 +47,12 @@ TAINTED = (
 
 
 def _nodes(ready: str) -> list[dict[str, Any]]:
-    taints = [{"key": "google.com/tpu", "value": "present", "effect": "NoSchedule"}]
-    if ready != "True":
-        taints.append({"key": "node.kubernetes.io/unreachable", "effect": "NoSchedule"})
-    return [
-        {
-            "metadata": {"name": f"tpu-{index}"},
-            "spec": {"taints": taints},
-            "status": {"conditions": [{"type": "Ready", "status": ready}]},
-        }
-        for index in range(4)
-    ]
+    """A tpu-v5e-16 slice's four GKE nodes, down (Ready Unknown, unreachable) or back."""
+    nodes = gke_nodes("v5e-16", "tpu-v5e-16", 4)
+    for node in nodes:
+        if ready != "True":
+            node.lose_contact()
+    return [node.as_object() for node in nodes]
 
 
 def _unschedulable(message: str) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from kinetic_prefect.backends.gke.client import (
     pods_of_job,
 )
 from kinetic_prefect.backends.gke.loop_thread import LoopThread
-from kinetic_prefect.backends.gke.outcomes import OutcomeTracker
+from kinetic_prefect.backends.gke.outcomes import OutcomeTracker, job_pending
 from kinetic_prefect.backends.gke.secrets import JobSecrets
 from kinetic_prefect.backends.gke.slice import delete_services
 from kinetic_prefect.backends.gke.status import (
@@ -37,7 +37,6 @@ from kinetic_prefect.backends.gke.status import (
     infrastructure_took,
     lasting_failed_create,
     node_selector_of,
-    pending,
     reads_nodes,
 )
 from kinetic_prefect.backends.gke.watch import TrackedJob
@@ -194,9 +193,7 @@ class JobEnding:
         if reason is None:
             if job.pod is None or job.unschedulable:
                 await self._probe_events(job)
-            waiting = (
-                pending(job.pod, job.manifest, job.pod_events, job.pod_nodes) if job.pod else None
-            )
+            waiting = job_pending(job)
             if waiting is not None and waiting.waits_for_capacity:
                 # Its events say a node is on its way: it waits for capacity after all.
                 job.failing_to_start = False
@@ -220,8 +217,8 @@ class JobEnding:
         try:
             if pod_name is not None:
                 job.pod_events = await job_events(self._core, job.namespace, pod_name, "Pod")
-                if reads_nodes(job.pod):
-                    job.pod_nodes = await self._nodes_of_kind(job)
+                if reads_nodes(job.pod, job.manifest):
+                    await self._read_nodes_of_kind(job)
             else:
                 events = await job_events(self._core, job.namespace, job.job_id)
         except Exception as exc:
@@ -239,11 +236,15 @@ class JobEnding:
             return
         self._report_pending(job, reason)
 
-    async def _nodes_of_kind(self, job: TrackedJob) -> list[dict[str, Any]] | None:
-        """The nodes the job's node selector matches; None when they cannot be listed (the
-        runner's identity may not list nodes: its pending reason says what to grant)."""
+    async def _read_nodes_of_kind(self, job: TrackedJob) -> None:
+        """The nodes the job's node selector matches, into `job.pod_nodes`. Refused (the
+        runner's identity may not list nodes), the job says so in its pending reason; any
+        other failure keeps what was last read."""
         try:
-            return await list_nodes(self._access, node_selector_of(job.manifest))
+            job.pod_nodes = await list_nodes(self._access, node_selector_of(job.manifest))
+            job.nodes_refused = False
         except ApiException as exc:
+            job.nodes_refused = exc.status == 403
             logger.debug("Could not list the nodes of %s: %s", job.job_id, exc)
-            return None
+        except Exception as exc:
+            logger.debug("Could not list the nodes of %s: %s", job.job_id, exc)

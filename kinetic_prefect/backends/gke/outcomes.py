@@ -45,6 +45,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from kinetic_prefect.backends.gke.status import (
+    Pending,
     pending,
     pod_outcome,
     pod_phase,
@@ -63,6 +64,13 @@ EVICTED_REASON = (
     "Kueue evicted the Job while its pod ran (its Workload was preempted or its admission "
     "withdrawn); the Job was deleted so that it cannot run beside the next attempt"
 )
+
+
+def job_pending(job: TrackedJob) -> Pending | None:
+    """Why the job's pod waits, from all that was read about it (`status.pending`)."""
+    if job.pod is None:
+        return None
+    return pending(job.pod, job.manifest, job.pod_events, job.pod_nodes, job.nodes_refused)
 
 
 class OutcomeTracker:
@@ -207,9 +215,7 @@ class OutcomeTracker:
                 job.settle_by = self._clock() + wait
                 self.poke()
             return
-        waiting = (
-            pending(pod, job.manifest, job.pod_events, job.pod_nodes) if pod is not None else None
-        )
+        waiting = job_pending(job)
         self._track_capacity_wait(job, waiting is not None and waiting.waits_for_capacity)
         job.unschedulable = waiting is not None and waiting.unschedulable
         job.waits_for_nodes = waiting is not None and waiting.waits_for_nodes

@@ -17,12 +17,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from kinetic_prefect.backends.base import WAITING_FOR_CAPACITY
+from kinetic_prefect.launch.accelerators import parse_quantity
 from kinetic_prefect.launch.manifest import (
     ANNOTATION_ACCELERATOR,
     CONTAINER_NAME,
     LABEL_QUEUE_NAME,
     container_of,
 )
+from kinetic_prefect.launch.slices import hosts_of
 
 _IMAGE_WAITING_REASONS = {
     "ErrImagePull",
@@ -179,8 +181,7 @@ def accelerator_hint(manifest: Mapping[str, Any]) -> str:
         f"{k}: {v}"
         for k, v in ((container_of(manifest).get("resources") or {}).get("limits") or {}).items()
     )
-    spec = manifest["spec"]
-    hosts = int(spec.get("completions") or 1) if spec.get("completionMode") == "Indexed" else 1
+    hosts = hosts_of(manifest)
     nodes = f"{hosts} nodes (one per host), each" if hosts > 1 else "a node"
     parts = [f"{nodes} with {selectors}" if selectors else "", f"{limits} free" if limits else ""]
     wants = " and ".join(part for part in parts if part)
@@ -197,6 +198,21 @@ def accelerator_hint(manifest: Mapping[str, Any]) -> str:
         f"{what} needs {wants}; check that {pool} "
         f"(kinetic-prefect doctor --accelerator {accelerator or 'NAME'})"
     )
+
+
+def _could_hold(node: Mapping[str, Any], manifest: Mapping[str, Any]) -> bool:
+    """Whether `node`'s allocatable covers what the task container asks, were it empty."""
+    resources = container_of(manifest).get("resources") or {}
+    asked = {**(resources.get("limits") or {}), **(resources.get("requests") or {})}
+    allocatable = (node.get("status") or {}).get("allocatable") or {}
+    try:
+        return all(
+            resource in allocatable
+            and parse_quantity(allocatable[resource]) >= parse_quantity(amount)
+            for resource, amount in asked.items()
+        )
+    except ValueError:
+        return True  # a quantity this cannot read: let the scheduler's word stand
 
 
 @dataclass(frozen=True)
@@ -223,13 +239,15 @@ def pending(
     manifest: Mapping[str, Any],
     events: Sequence[Mapping[str, Any]] = (),
     nodes: Sequence[Mapping[str, Any]] | None = None,
+    nodes_refused: bool = False,
 ) -> Pending | None:
     """Why a pending pod is not running, when Kubernetes says so; None while it just starts.
 
     `events`: the pod's own events, when they were read: the cluster autoscaler's
     TriggeredScaleUp / NotTriggerScaleUp tell whether a node is on its way.
     `nodes`: the nodes its node selector matches, when they were read (`reads_nodes`):
-    nodes of its kind that are not ready or cordoned will take it once they are back.
+    nodes of its kind that could hold it but are not ready or cordoned will take it once
+    they are back. `nodes_refused`: listing them was forbidden (the reason says what to grant).
     """
     container = _task_container_status(pod)
     waiting = (container.get("state") or {}).get("waiting") or {}
@@ -244,7 +262,8 @@ def pending(
         if condition.get("type") == "PodScheduled" and condition.get("status") == "False":
             if condition.get("reason") != "Unschedulable":
                 continue
-            return _unschedulable(str(condition.get("message") or ""), manifest, events, nodes)
+            message = str(condition.get("message") or "")
+            return _unschedulable(message, manifest, events, nodes, nodes_refused)
     return None
 
 
@@ -255,9 +274,12 @@ def _scheduled_condition_message(pod: Mapping[str, Any]) -> str:
     return ""
 
 
-def reads_nodes(pod: Mapping[str, Any] | None) -> bool:
+def reads_nodes(pod: Mapping[str, Any] | None, manifest: Mapping[str, Any]) -> bool:
     """Whether telling why the pod waits needs the nodes of its kind read: the scheduler
-    turned nodes away for a taint or a cordon, which a node that is not ready carries."""
+    turned nodes away for a taint or a cordon, which a node that is not ready carries. A
+    pod without a node selector (any node is of its kind) is not worth listing them all."""
+    if not node_selector_of(manifest):
+        return False
     fit = _FIT_ERROR.match(_scheduled_condition_message(pod or {}))
     reasons = _histogram(fit.group("reasons")) if fit else {}
     return any(_UNTOLERATED in r or _CORDONED in r for r in reasons)
@@ -274,7 +296,9 @@ def nodes_down(nodes: Sequence[Mapping[str, Any]]) -> dict[str, str]:
 
     A node whose Ready condition is not True, or that carries one of the taints the node
     lifecycle controller puts on such a node (`node.kubernetes.io/not-ready`,
-    `unreachable`, `unschedulable`, ...), or that is cordoned (`spec.unschedulable`).
+    `unreachable`, and `unschedulable` for a cordon), or that is cordoned
+    (`spec.unschedulable`). A node under pressure (memory, disk, pids) is Ready: it is
+    not down, and may stay so.
     """
     down: dict[str, str] = {}
     for node in nodes:
@@ -285,13 +309,12 @@ def nodes_down(nodes: Sequence[Mapping[str, Any]]) -> dict[str, str]:
         taints = [
             str(t.get("key"))
             for t in spec.get("taints") or []
-            if str(t.get("key") or "").startswith(_NODE_CONDITION_TAINT)
-            and t.get("effect") in {"NoSchedule", "NoExecute"}
+            if t.get("key") in _DOWN_TAINTS and t.get("effect") in {"NoSchedule", "NoExecute"}
         ]
         why = sorted(set(taints))
         if said and not ready:
             why.insert(0, f"Ready={said[0].get('status')}")
-        if spec.get("unschedulable") and f"{_NODE_CONDITION_TAINT}unschedulable" not in why:
+        if spec.get("unschedulable") and _CORDON_TAINT not in why:
             why.append("cordoned")
         if why:
             down[name] = ", ".join(why)
@@ -324,10 +347,11 @@ _MISMATCH = "didn't match Pod's node affinity/selector"
 _UNTOLERATED = "had untolerated taint"
 # A cordoned node (`spec.unschedulable`), kube-scheduler's NodeUnschedulable.
 _CORDONED = "were unschedulable"
-# The taints Kubernetes puts on a node for its conditions (not ready, unreachable,
-# cordoned, under pressure): https://kubernetes.io/docs/concepts/scheduling-eviction/
-# taint-and-toleration/#taint-nodes-by-condition
-_NODE_CONDITION_TAINT = "node.kubernetes.io/"
+# The taints Kubernetes puts on a node that is not ready, unreachable or cordoned:
+# https://kubernetes.io/docs/concepts/scheduling-eviction/taint-and-toleration/
+# #taint-nodes-by-condition
+_CORDON_TAINT = "node.kubernetes.io/unschedulable"
+_DOWN_TAINTS = {"node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable", _CORDON_TAINT}
 _TRIGGERED_SCALE_UP = "TriggeredScaleUp"
 _NOT_TRIGGERED_SCALE_UP = "NotTriggerScaleUp"
 _MAX_SIZE = "max node group size reached"
@@ -351,8 +375,10 @@ def _unschedulable(
     manifest: Mapping[str, Any],
     events: Sequence[Mapping[str, Any]],
     nodes: Sequence[Mapping[str, Any]] | None = None,
+    nodes_refused: bool = False,
 ) -> Pending:
-    """Capacity that exists (busy nodes of its kind, a node on its way), or never fitting."""
+    """Capacity that exists (busy nodes of its kind, a node on its way, nodes of its kind
+    down for repair), or never fitting."""
     autoscaler = _latest_autoscaler_event(events)
     said = str((autoscaler or {}).get("message") or "")
     scaling_up = autoscaler is not None and autoscaler.get("reason") == _TRIGGERED_SCALE_UP
@@ -385,7 +411,9 @@ def _unschedulable(
             unschedulable=True,
         )
     turned_away = sum(n for r, n in reasons.items() if _UNTOLERATED in r or _CORDONED in r)
-    down = nodes_down(nodes or ()) if turned_away else {}
+    # Down nodes it waits for: of its kind, big enough once back, and enough of them.
+    able = [node for node in nodes or () if _could_hold(node, manifest)]
+    down = nodes_down(able) if turned_away and len(able) >= hosts_of(manifest) else {}
     if down:
         accelerator = (manifest["metadata"].get("annotations") or {}).get(ANNOTATION_ACCELERATOR)
         kind = f"{accelerator} " if accelerator else ""
@@ -400,7 +428,7 @@ def _unschedulable(
             waits_for_nodes=True,
         )
     hint = accelerator_hint(manifest)
-    if turned_away and nodes is None:
+    if turned_away and nodes_refused:
         repair = (
             "nodes a taint or cordon turned away may be down for repair: to wait for them "
             "instead, let the runner list nodes (the ClusterRole kinetic-prefect-node-reader "

@@ -92,10 +92,12 @@ class TrackedJob:
     # The scheduler found no node for the pod, and the pod's events as last read.
     unschedulable: bool = False
     pod_events: list[dict[str, Any]] = field(default_factory=list, repr=False)
-    # The nodes of its kind as last read (None: not read), and whether it waits for
+    # The nodes of its kind as last read (None: not read yet), and whether it waits for
     # those of them that are not ready (status.Pending.waits_for_nodes).
     pod_nodes: list[dict[str, Any]] | None = field(default=None, repr=False)
     waits_for_nodes: bool = False
+    # Listing them was forbidden (its pending reason says what to grant).
+    nodes_refused: bool = False
     settle_by: float | None = None
     next_probe: float = 0.0
     last_callback: concurrent.futures.Future[None] | None = field(default=None, repr=False)
