@@ -13,7 +13,7 @@ import contextvars
 import os
 import threading
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Self
 
 from prefect.client.schemas.objects import TaskRun
@@ -21,7 +21,8 @@ from prefect.futures import PrefectConcurrentFuture, PrefectFuture
 from prefect.logging import get_logger
 from prefect.states import State
 from prefect.task_runners import TaskRunner
-from prefect.utilities.collections import visit_collection
+from prefect.utilities.annotations import quote
+from prefect.utilities.collections import StopVisiting, visit_collection
 
 from kinetic_prefect.backends.base import Backend
 from kinetic_prefect.launch import identity, prefect_context, preflight
@@ -100,6 +101,44 @@ def _contains_future(value: Any) -> bool:
 
     visit_collection(value, visit_fn=visit, return_data=False)
     return found
+
+
+def upstream_futures(parameters: dict[str, Any], wait_for: Any) -> list[PrefectFuture[Any]]:
+    """The futures a task run waits on before it starts: those in `wait_for` and in its
+    parameters, nested at any depth, as Prefect's engine resolves them (not inside `quote`)."""
+    found: list[PrefectFuture[Any]] = []
+
+    def visit(item: Any, context: dict[str, Any]) -> Any:
+        if isinstance(context.get("annotation"), quote):
+            raise StopVisiting()
+        if isinstance(item, PrefectFuture):
+            found.append(item)
+        return item
+
+    for value in (*parameters.values(), wait_for):
+        visit_collection(value, visit_fn=visit, return_data=False, max_depth=-1, context={})
+    return found
+
+
+class WhenDone:
+    """Calls `start` once every one of `futures` is done, on the thread that finishes the
+    last (at once when none is pending): a task run waiting for its upstreams holds no
+    thread meanwhile."""
+
+    def __init__(self, futures: list[PrefectFuture[Any]], start: Callable[[], None]) -> None:
+        self._lock = threading.Lock()
+        self._left = len(futures) + 1  # one more, let go of once every callback is added
+        self._start = start
+        for future in futures:
+            future.add_done_callback(self._one_done)
+        self._one_done(None)
+
+    def _one_done(self, _future: object) -> None:
+        with self._lock:
+            self._left -= 1
+            ready = self._left == 0
+        if ready:
+            self._start()
 
 
 def _cancelled_runner_error() -> RuntimeError:
@@ -305,14 +344,24 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
         if submitter is None:  # cancel_all() came while this run was being created
             self._launcher.cancel(launch, CANCELLED_ON_EXIT)
             raise _cancelled_runner_error()
-        submitter.submit(
-            launch.in_context,
-            self._launcher.prepare_and_launch,
-            launch,
-            parameters,
-            wait_for,
-            dependencies,
-        )
+
+        def start() -> None:
+            if launch.cancelled:  # cancel_all() resolved it while it waited
+                return
+            try:
+                submitter.submit(
+                    launch.in_context,
+                    self._launcher.prepare_and_launch,
+                    launch,
+                    parameters,
+                    wait_for,
+                    dependencies,
+                )
+            except RuntimeError:  # the pool was shut down by cancel_all() meanwhile
+                self._launcher.cancel(launch, CANCELLED_ON_EXIT)
+
+        # Parked until its upstreams are done; then a pool thread resolves them at once.
+        WhenDone(upstream_futures(parameters, wait_for), start)
         return KineticFuture(launch)
 
     def map(

@@ -725,3 +725,12 @@ def test_deployment_manifests_validate_strictly():
     assert {d["kind"] for d in documents} >= {"ServiceAccount", "Role", "RoleBinding"}
     for document in documents:
         kubernetes_validate.validate(document, kubernetes_validate.latest_version(), strict=True)
+
+
+def test_dependents_of_a_gate_leave_room_for_the_task_that_opens_it_on_gke(gke, workdir):
+    from tests.runner.test_waiting_upstreams import DEPENDENTS, dependents_then_their_opener
+
+    results, opener = dependents_then_their_opener(_runner(gke, max_parallel=4), workdir / "gate")
+
+    assert opener == "opener ran"
+    assert results == [("opened", index) for index in range(DEPENDENTS)]
