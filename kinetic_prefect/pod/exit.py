@@ -32,13 +32,23 @@ class FastExit:
         flush_and_exit(self.code)
 
 
+def buffered_files() -> list[io.IOBase]:
+    """Every buffered file object alive in the process.
+
+    Matched on `type(obj)`, which reads no attribute of the object: `isinstance` asks for
+    `obj.__class__`, and on a lazily imported module (`importlib.util.LazyLoader`, as
+    Prefect loads some of its optional dependencies) that imports the whole module, in
+    every pod, at its very end.
+    """
+    return [obj for obj in gc.get_objects() if issubclass(type(obj), _BUFFERED)]
+
+
 def flush_and_exit(code: int) -> None:
     """Flush every open file, then end the process with `code`, running nothing else."""
-    for obj in gc.get_objects():
-        if isinstance(obj, _BUFFERED):
-            try:
-                if not obj.closed:
-                    obj.flush()
-            except Exception:  # a file whose flush fails would fail at teardown too
-                continue
+    for obj in buffered_files():
+        try:
+            if not obj.closed:
+                obj.flush()
+        except Exception:  # a file whose flush fails would fail at teardown too
+            continue
     os._exit(code)
