@@ -41,34 +41,45 @@ def _uv_version() -> str:
     return version("uv")
 
 
+def builder_spec(
+    settings: LaunchSettings, plan: EnvironmentPlan, spec_uri: str, destination: str
+) -> LaunchSpec:
+    """The builder Job of `plan`: a cpu pod on the stock image, under the runner's settings."""
+    plain_env, _ = split_env(settings.env)
+    env = {**plain_env, UV_VERSION_ENV: _uv_version(), "PYTHONUNBUFFERED": "1"}
+    if plan.index_url:
+        env["PIP_INDEX_URL"] = plan.index_url
+    return LaunchSpec(
+        job_id=new_job_id(f"env-{plan.key[:8]}"),
+        task_name=f"environment {plan.key[:12]}",
+        task_run_id=None,
+        flow_run_id=None,
+        accelerator=parse_accelerator("cpu"),
+        image=settings.container_image or f"python:{plan.python}-slim",
+        namespace=settings.namespace,
+        output_dir="",
+        env=env,
+        ttl_seconds_after_finished=settings.ttl_seconds_after_finished,
+        intervals=settings.intervals,
+        # Not the task pods' account: only a builder writes the environment store.
+        service_account=settings.builder_service_account,
+        command=tuple(builder_command(spec_uri, destination)),
+        # The task's tolerations, pull secrets, ... apply to its builder too; its cpu
+        # and memory do not (a builder is a cpu pod).
+        pod_overrides=settings.pod_overrides,
+        # The user's Job metadata (cost labels, a priority class) too; not the queue: a
+        # builder runs at once, outside any Kueue LocalQueue.
+        job_labels=settings.job_labels,
+        job_annotations=settings.job_annotations,
+    )
+
+
 def cluster_builder(settings: LaunchSettings, backend: Backend) -> ClusterBuilder:
     """Build environments with a builder Job on `backend`, on the stock image."""
 
     def build(plan: EnvironmentPlan, spec_uri: str, destination: str) -> None:
-        plain_env, _ = split_env(settings.env)
-        env = {**plain_env, UV_VERSION_ENV: _uv_version(), "PYTHONUNBUFFERED": "1"}
-        if plan.index_url:
-            env["PIP_INDEX_URL"] = plan.index_url
-        job_id = new_job_id(f"env-{plan.key[:8]}")
-        spec = LaunchSpec(
-            job_id=job_id,
-            task_name=f"environment {plan.key[:12]}",
-            task_run_id=None,
-            flow_run_id=None,
-            accelerator=parse_accelerator("cpu"),
-            image=settings.container_image or f"python:{plan.python}-slim",
-            namespace=settings.namespace,
-            output_dir="",
-            env=env,
-            ttl_seconds_after_finished=settings.ttl_seconds_after_finished,
-            intervals=settings.intervals,
-            # Not the task pods' account: only a builder writes the environment store.
-            service_account=settings.builder_service_account,
-            command=tuple(builder_command(spec_uri, destination)),
-            # The task's tolerations, pull secrets, ... apply to its builder too; its cpu
-            # and memory do not (a builder is a cpu pod).
-            pod_overrides=settings.pod_overrides,
-        )
+        spec = builder_spec(settings, plan, spec_uri, destination)
+        job_id = spec.job_id
         logger.info(
             "Building environment %s (%d packages) with builder Job %s",
             plan.key[:12],

@@ -116,3 +116,34 @@ def test_a_work_pools_job_variables_reach_the_flow_pods_settings() -> None:
     assert settings.queued_provisioning is True
     assert settings.job_labels == {"kueue.x-k8s.io/priority-class": "nightly"}
     assert settings.job_annotations == {"provreq.kueue.x-k8s.io/maxRunDurationSeconds": "3600"}
+
+
+def test_a_builder_job_carries_the_users_job_metadata_but_no_queue() -> None:
+    from kinetic_prefect.backends.environments import builder_spec
+    from kinetic_prefect.launch.environment import EnvironmentPlan
+
+    settings = resolve_settings(
+        runner={
+            "backend": "gke",
+            "queue_name": "tpu-dws",
+            "job_labels": {"cost-center": "ml-research"},
+            "job_annotations": {"provreq.kueue.x-k8s.io/maxRunDurationSeconds": "7200"},
+        },
+        environ={},
+    )
+    plan = EnvironmentPlan(
+        key="0123456789abcdef",
+        python="3.11",
+        platform="linux_x86_64",
+        pins=("inflection==0.5.1",),
+        wheels=(),
+        index_url=None,
+        requirements_source="requirements.txt",
+    )
+
+    job = build_job_manifest(builder_spec(settings, plan, "gs://b/spec.json", "gs://b/env"))
+
+    meta = job["metadata"]
+    assert meta["labels"]["cost-center"] == "ml-research"
+    assert meta["annotations"]["provreq.kueue.x-k8s.io/maxRunDurationSeconds"] == "7200"
+    assert "kueue.x-k8s.io/queue-name" not in meta["labels"]
