@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Self
 
 from prefect.client.schemas.objects import TaskRun
-from prefect.futures import PrefectConcurrentFuture, PrefectFuture
+from prefect.futures import PrefectConcurrentFuture, PrefectFuture, PrefectWrappedFuture
 from prefect.logging import get_logger
 from prefect.states import State
 from prefect.task_runners import TaskRunner
@@ -111,7 +111,10 @@ def upstream_futures(parameters: dict[str, Any], wait_for: Any) -> list[PrefectF
     def visit(item: Any, context: dict[str, Any]) -> Any:
         if isinstance(context.get("annotation"), quote):
             raise StopVisiting()
-        if isinstance(item, PrefectFuture):
+        # Wrapped futures only (this runner's, a thread pool's): their callbacks fire in this
+        # process. Any other kind (a `.delay()` future, whose API waiter keeps one callback
+        # per task run) is waited on by Prefect's own resolution on a pool thread.
+        if isinstance(item, PrefectWrappedFuture) and all(item is not f for f in found):
             found.append(item)
         return item
 

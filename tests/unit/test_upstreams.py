@@ -31,8 +31,9 @@ A, B, C = _future(), _future(), _future()
         ({"x": quote(A)}, None, []),
         ({"x": 1}, [B, C], [B, C]),
         ({"x": A}, allow_failure(B), [A, B]),
+        ({"x": A, "y": [A]}, [A], [A]),
     ],
-    ids=["none", "one", "nested", "allow_failure", "quote", "wait_for", "both"],
+    ids=["none", "one", "nested", "allow_failure", "quote", "wait_for", "both", "repeated"],
 )
 def test_a_submission_waits_on_the_futures_prefects_engine_would_resolve(
     parameters, wait_for, found
