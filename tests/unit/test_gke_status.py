@@ -271,25 +271,24 @@ def test_a_runner_that_cannot_list_nodes_is_told_what_to_grant_to_wait_for_them(
     assert not_read_yet is not None and "node-reader" not in not_read_yet.reason
 
 
-def test_a_pod_too_big_for_the_nodes_of_its_kind_never_waits_for_those_that_are_down():
-    # Eight L4s asked of 4-GPU nodes: one of them down changes nothing.
-    job = _job("l4x8")
-    nodes = gke_nodes("l4x4", "l4x4", 2)
-    nodes[0].lose_contact()
-    message = unschedulable_message(nodes, job["spec"]["template"]["spec"])
-    assert message is not None
-
-    never = pending(_unschedulable_pod(job, message), job, [], [n.as_object() for n in nodes])
-
-    assert never is not None and not never.waits_for_capacity
-
-
-def test_a_slice_with_fewer_nodes_of_its_kind_than_hosts_never_waits_for_them():
-    job = _job("tpu-v5e-16")
-    nodes = gke_nodes("v5e-16", "tpu-v5e-16", 2)
-    for node in nodes:
+@pytest.mark.parametrize(
+    ("accelerator", "pool", "count", "down", "hosts"),
+    [
+        # Eight L4s asked of 4-GPU nodes: one of them down changes nothing.
+        ("l4x8", "l4x4", 2, 1, 1),
+        # Two nodes of its kind for a four-host slice, both down.
+        ("tpu-v5e-16", "tpu-v5e-16", 2, 2, 4),
+    ],
+    ids=["too big for every node", "fewer nodes than hosts"],
+)
+def test_a_pod_its_kinds_nodes_could_never_hold_never_waits_for_those_that_are_down(
+    accelerator, pool, count, down, hosts
+):
+    job = _job(accelerator)
+    nodes = gke_nodes(pool, pool, count)
+    for node in nodes[:down]:
         node.lose_contact()
-    message = unschedulable_message(nodes, job["spec"]["template"]["spec"], 4)
+    message = unschedulable_message(nodes, job["spec"]["template"]["spec"], hosts)
     assert message is not None
 
     never = pending(_unschedulable_pod(job, message), job, [], [n.as_object() for n in nodes])
