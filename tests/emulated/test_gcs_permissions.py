@@ -418,7 +418,7 @@ def test_a_task_pod_may_read_its_environment_but_not_write_the_environment_store
     gke, cluster, gcs, tmp_path
 ):
     # A node of its own: the pod downloads its environment rather than finding it unpacked.
-    cluster.kubelet.local.node_root = tmp_path / "node"
+    cluster.kubelet.node_root = tmp_path / "node"
 
     @flow(task_runner=KineticTaskRunner(cluster=gke, allow_loopback_api=True))
     def plant() -> int:

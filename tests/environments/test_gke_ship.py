@@ -115,7 +115,7 @@ def test_a_new_environment_is_built_by_a_builder_job_with_the_key_the_local_buil
     monkeypatch.setattr(environments, "ENVIRONMENTS", Environments())
     # A node of its own: the shared test node holds the suite's thin environment under the
     # same key, which pods of other cases may be running on.
-    cluster.kubelet.local.node_root = tmp_path / "node"
+    cluster.kubelet.node_root = tmp_path / "node"
     uv_cache = os.environ.get("UV_CACHE_DIR") or str(Path.home() / ".cache" / "uv")
     # This machine reaches the package index through a proxy whose CA only its own
     # trust store has: the builder pod is told to trust it, as an image would be.
@@ -169,7 +169,7 @@ def test_an_archive_changed_after_upload_is_refused_in_the_pod(
     bucket = gcs.client.bucket(gcs.name)  # type: ignore[attr-defined]
     bucket.blob(archive).upload_from_string(b"not the environment that was built")
     # A node that has not unpacked the environment yet must download and check it.
-    cluster.kubelet.local.node_root = tmp_path / "fresh-node"
+    cluster.kubelet.node_root = tmp_path / "fresh-node"
 
     @flow(task_runner=_runner(gke, environment_store=gcs.uri))  # type: ignore[attr-defined]
     def once() -> tuple[int, str, str]:
@@ -284,7 +284,7 @@ def test_the_next_flow_run_reuses_the_environment_an_earlier_one_unpacked_and_st
     gke: str, cluster: KubeCluster, tmp_path: Path
 ) -> None:
     # A node of this test's own, so no other case's pods touch its cache meanwhile.
-    cluster.kubelet.local.node_root = tmp_path / "node"
+    cluster.kubelet.node_root = tmp_path / "node"
     # An environment an earlier pod left there: 100 GB (a sparse file), past the 20 GB cap.
     cache = tmp_path / "node" / node_cache_path(NAMESPACE, "kinetic-prefect-pods").lstrip("/")
     stale = cache / ("0" * 64)
@@ -322,7 +322,7 @@ def test_an_environment_download_reset_mid_body_resumes_and_the_task_runs(
     plan = plan_environment(REPO, parse_accelerator("cpu"), str(SHIPPED_REQUIREMENTS), extras=())
     shipped = publish_thin_environment(plan, GcsStore(gcs.uri), ballast=4 << 20)  # type: ignore[attr-defined]
     assert shipped.size > 2 * reset_after
-    cluster.kubelet.local.node_root = tmp_path / "node"
+    cluster.kubelet.node_root = tmp_path / "node"
     fronts: dict[str, FaultInjectingProxy] = {}
 
     def front(address: str) -> str:

@@ -193,7 +193,7 @@ def terminal(
         cluster.kubelet.gcs = proxy
         # A node of its own: the worker's pods sign with the pool's record key, so on the
         # shared test node they would refuse, and unpack again, other cases' copies.
-        cluster.kubelet.local.node_root = tmp_path / "node"
+        cluster.kubelet.node_root = tmp_path / "node"
         cluster.kubelet.metadata = metadata
         cluster.call(lambda: cluster.emulator.tokens.update({USER_TOKEN: User(USER)}))
         you = proxy.endpoint(USER_MEMBER)

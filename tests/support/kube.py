@@ -313,7 +313,7 @@ def running_cluster(
         cluster.kubeconfig.write_text(json.dumps(cluster.kubeconfig_dict()))
         yield cluster
     finally:
-        cluster.kubelet.stop()
+        cluster.run(cluster.kubelet.shutdown())
         cluster.run(cluster._stop())
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)

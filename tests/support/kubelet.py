@@ -1,8 +1,12 @@
 """A test kubelet: kubelet, scheduler, Job controller and TTL controller for `ClusterEmulator`.
 
-For every created Job it makes a pod, runs its container through `LocalBackend`
-(secretKeyRefs resolved from the Secrets stored in the emulator) and writes pod
-and Job status back over HTTP, as another client of the API. It can instead
+For every created Job it makes its pods, runs their containers through the test
+container runtime (tests/support/containers.py: a process each, with the env,
+volumes, hostname and /etc/hosts a kubelet gives a container) and writes pod and
+Job status back over HTTP, as another client of the API. A pod is Running once its
+container has started (after its init containers); a Job's pods all end when one
+fails, as the Job controller deletes the rest of a failed Job's pods; a Job past its
+`activeDeadlineSeconds` fails with DeadlineExceeded and its pods are deleted. It can instead
 leave the pod pending (image pull error, unschedulable) or end it as
 Kubernetes would (OOMKilled, evicted, preempted, deadline). As Kubernetes'
 TTL-after-finished controller does, it deletes a finished Job (and so its pods)
@@ -17,7 +21,7 @@ the Job is resumed again", https://kubernetes.io/docs/concepts/workloads/control
 `JobSuspended`); resumed, it gets new pods.
 
 A container runs the interpreter of its image: a stock `python` image has a bare
-one, with its standard library and pip only (`bare_python()`), so a pod of the
+one, with its standard library and pip only (`bare_interpreter`), so a pod of the
 gke backend can import nothing but what its shipped environment brings. An
 image listed in `images` (a test's own image for `environment="image"`) runs
 that interpreter instead. The kubelet's node keeps its hostPath directories in
@@ -26,7 +30,7 @@ every cluster of the run, as a long-lived node's would.
 
 A container's environment is what its image sets plus its manifest's env, never
 the environment of whoever created the Job. So a pod run here starts from
-`image_env()`, what a python image sets: `PATH` (the bare interpreter's directory
+`image_env()`, what a python image sets: `PATH` (the image interpreter's directory
 first, standing in for the image's `/usr/local/bin`, then the system
 directories), `HOME` (an empty directory of each pod's own, as a fresh container
 filesystem has) and `LANG=C.UTF-8`; then its manifest's env; then `KUBECONFIG`,
@@ -39,7 +43,6 @@ the manifest as a user's settings would.
 from __future__ import annotations
 
 import asyncio
-import copy
 import secrets
 import sys
 import time
@@ -50,10 +53,14 @@ from typing import Any
 
 import aiohttp
 
-from kinetic_prefect.backends.base import PodExit
-from kinetic_prefect.backends.local.backend import LocalBackend
-from kinetic_prefect.backends.local.interpreter import bare_python
 from kinetic_prefect.launch.environment import cache_dir
+from tests.support.containers import (
+    ContainerRuntime,
+    MountFailed,
+    PodAddresses,
+    Sandbox,
+    bare_interpreter,
+)
 from tests.support.kube_emulator import JOBS, ClusterEmulator
 from tests.support.kube_objects import (
     MAX_SIZE_REACHED,
@@ -110,6 +117,10 @@ class _Pod:
     nodes: list[Node] = field(default_factory=list)
     # Where the scheduler put its pods when they were created, or why it could not.
     placement: list[Node] | str | None = None
+    # Its pods' containers, host 0 first, once the runtime set them up.
+    boxes: list[Sandbox] = field(default_factory=list)
+    # Past its Job's activeDeadlineSeconds: the Job fails with DeadlineExceeded.
+    deadline_exceeded: bool = False
 
 
 class Kubelet:
@@ -131,13 +142,14 @@ class Kubelet:
         (workspace / "home").mkdir(exist_ok=True)
         # Image name -> the interpreter it runs; any other image has a bare Python.
         self.images: dict[str, str] = {TEST_IMAGE: sys.executable}
-        self.local = LocalBackend(
+        self.runtime = ContainerRuntime(
             workspace,
-            max_parallel=4,
-            cancel_grace_seconds=5,
-            base_env=image_env(workspace / "home"),
-            interpreter=self.interpreter,
             node_root=node_root or cache_dir() / "test-node",
+            images=self.images,
+            bare_python=lambda: bare_interpreter(cache_dir() / "test-images"),
+            image_env=image_env,
+            find_services=lambda namespace: self.emulator.live("services", namespace),
+            addresses=_addresses(),
         )
         self.workspace = workspace
         # Exceptions of the kubelet's own tasks: a broken kubelet must fail the test.
@@ -205,10 +217,14 @@ class Kubelet:
         pod = self._pods.get(job_name)
         return list(pod.nodes) if pod is not None else []
 
-    def interpreter(self, manifest: dict[str, Any]) -> str:
-        """The Python of the pod's image: a test image's, else a stock image's bare one."""
-        image = manifest["spec"]["template"]["spec"]["containers"][0]["image"]
-        return self.images.get(image) or bare_python()
+    @property
+    def node_root(self) -> Path:
+        """Where the node keeps its hostPath directories."""
+        return self.runtime.node_root
+
+    @node_root.setter
+    def node_root(self, path: Path) -> None:
+        self.runtime.node_root = path
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -223,6 +239,8 @@ class Kubelet:
                 for _, resource, event in batch:
                     if resource.plural == JOBS:
                         self._on_job(event["type"], event["object"])
+                    elif resource.plural == "services":
+                        self.runtime.dns_changed()  # the cluster's DNS follows Services
         finally:
             # The cluster is going away: work still in flight (a pod being ended, a TTL
             # timer) stops here, before the session it talks through is closed.
@@ -232,8 +250,10 @@ class Kubelet:
             await asyncio.gather(*pending, return_exceptions=True)
             await self._session.close()
 
-    def stop(self) -> None:
-        self.local.close()
+    async def shutdown(self) -> None:
+        """The node goes away: every container still running is killed, and reaped."""
+        processes = list(self.runtime.kill_all())
+        await asyncio.gather(*(p.wait() for p in processes))
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -387,36 +407,127 @@ class Kubelet:
             await self._pod_status(pod, running_status(image))
             self._spawn(self._simulate_end(pod))
             return
-        manifest = copy.deepcopy(job)
+        pod.running = True
+        hosts = [self._host_pod(pod, name) for name in pod.names]
+        self._spawn(self._run_containers(pod, hosts, values))
+
+    def _host_pod(self, pod: _Pod, name: str) -> dict[str, Any]:
+        """The pod `name` as the API holds it, its container's env as this node gives it.
+
+        The env gets the test-only stand-ins of tests/support/pod_env.py: the pod's
+        Workload Identity port of the GCS IAM proxy, `KUBECONFIG` for its service
+        account's token, its own empty `HOME`, and its metadata server.
+        """
+        stored = self.emulator.find("pods", pod.namespace, name)
+        assert stored is not None, f"pod {name} is not in the API"
+        spec = stored["spec"]
         # Each container starts with a filesystem of its own: nothing one pod leaves in
         # its home (a Prefect home, a key file) is there for the next.
-        home = self.workspace / "homes" / pod.names[0]
+        home = self.workspace / "homes" / name
         home.mkdir(parents=True, exist_ok=True)
-        container = manifest["spec"]["template"]["spec"]["containers"][0]
-        container["env"] = workload_identity_env(
-            lambda name: self.emulator.find("serviceaccounts", pod.namespace, name),
-            pod.namespace,
-            template["spec"],
-            self.gcs,
-        )
-        if self.gcs_front is not None:
-            for item in container["env"]:
-                if item["name"] in GCS_ADDRESS_VARIABLES and item.get("value"):
-                    item["value"] = self.gcs_front(item["value"])
-        container["env"].extend(
-            [
-                {"name": "KUBECONFIG", "value": self._pod_kubeconfig(pod, template["spec"])},
-                {"name": "HOME", "value": str(home)},
-            ]
-        )
+        stand_ins = [
+            {"name": "KUBECONFIG", "value": self._pod_kubeconfig(pod, spec)},
+            {"name": "HOME", "value": str(home)},
+        ]
         if self.metadata is not None:  # Workload Identity's ADC (tests/support/metadata_server.py)
-            identity = self.metadata.pod_env(pod.names[0]).items()
-            container["env"].extend({"name": k, "value": v} for k, v in identity)
-        self.local.launch(
-            manifest, on_exit=lambda outcome: self._exited(pod, outcome), secrets=values
+            stand_ins += [{"name": k, "value": v} for k, v in self.metadata.pod_env(name).items()]
+        # Every container of the pod, init containers too, reaches GCS and the metadata
+        # server as the pod's identity.
+        for container in [*(spec.get("initContainers") or []), *spec["containers"]]:
+            container["env"] = workload_identity_env(
+                lambda account: self.emulator.find("serviceaccounts", pod.namespace, account),
+                pod.namespace,
+                {**spec, "containers": [container]},
+                self.gcs,
+            )
+            if self.gcs_front is not None:
+                for item in container["env"]:
+                    if item["name"] in GCS_ADDRESS_VARIABLES and item.get("value"):
+                        item["value"] = self.gcs_front(item["value"])
+            container["env"] += [dict(item) for item in stand_ins]
+        return stored
+
+    async def _run_containers(
+        self, pod: _Pod, hosts: list[dict[str, Any]], values: dict[str, dict[str, str]]
+    ) -> None:
+        """Set up the pods' volumes, run their init containers, start them and see them end."""
+        image = pod.job["spec"]["template"]["spec"]["containers"][0]["image"]
+        logs = [self.emulator.log_files[(pod.namespace, name)] for name in pod.names]
+        pod.boxes = [self.runtime.sandbox(host, log) for host, log in zip(hosts, logs, strict=True)]
+        homes = [Path(_env_value(box.pod, "HOME") or self.workspace) for box in pod.boxes]
+        try:
+            for box in pod.boxes:
+                await self.runtime.mount_volumes(box, _env_value(box.pod, "STORAGE_EMULATOR_HOST"))
+        except MountFailed as exc:
+            await self._mount_failed(pod, image, str(exc))
+            return
+        init_codes = await asyncio.gather(
+            *(
+                self.runtime.run_init_containers(b, values, h)
+                for b, h in zip(pod.boxes, homes, strict=True)
+            )
         )
-        pod.running = True
-        await self._pod_status(pod, running_status(image))
+        failed_init = next((code for code in init_codes if code), 0)
+        if not failed_init and not pod.terminating:
+            for box, home in zip(pod.boxes, homes, strict=True):
+                await self.runtime.start(box, values, home)
+            deadline = pod.job["spec"].get("activeDeadlineSeconds")
+            if deadline is not None:
+                timer = asyncio.get_running_loop().call_later(
+                    float(deadline), lambda: self._spawn(self._past_deadline(pod))
+                )
+            async with pod.lock:
+                if pod.terminating:
+                    self._stop_containers(pod)
+                else:
+                    await self._pod_status(pod, running_status(image))
+            codes = await self._wait_for_hosts(pod)
+            if deadline is not None:
+                timer.cancel()
+        else:
+            codes = [failed_init] * len(pod.boxes)
+        for box in pod.boxes:
+            self.runtime.forget(box)
+        await self._container_ended(pod, codes)
+
+    async def _wait_for_hosts(self, pod: _Pod) -> list[int]:
+        """Each host's exit code, once all ended. When one fails, the Job has failed: the
+        Job controller deletes its other pods, whose containers are stopped."""
+        waits = {asyncio.ensure_future(box.process.wait()): box for box in pod.boxes if box.process}
+        pending = set(waits)
+        while pending:
+            _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if any(box.exit_code for box in pod.boxes):
+                self._stop_containers(pod)
+        return [box.exit_code or 0 for box in pod.boxes]
+
+    def _stop_containers(self, pod: _Pod) -> None:
+        grace = pod.job["spec"]["template"]["spec"].get("terminationGracePeriodSeconds", 30)
+        for box in pod.boxes:
+            self.runtime.stop(box, float(grace))
+
+    async def _past_deadline(self, pod: _Pod) -> None:
+        """The Job controller's activeDeadlineSeconds: the Job is failing, its pods are stopped."""
+        async with pod.lock:
+            if pod.terminating or not pod.running:
+                return
+            pod.deadline_exceeded = True
+            await self._job_status(pod, {"conditions": [_deadline_condition("FailureTarget")]})
+            self._stop_containers(pod)
+
+    async def _mount_failed(self, pod: _Pod, image: str, message: str) -> None:
+        """A volume could not be mounted: the pod stays ContainerCreating, with an event."""
+        async with pod.lock:
+            pod.running = False
+            for box in pod.boxes:
+                self.runtime.forget(box)
+            if pod.terminating:
+                await self._remove(pod)
+                return
+            await self._pod_status(pod, waiting_status(image, "ContainerCreating", ""))
+            found = self.emulator.find("pods", pod.namespace, pod.name)
+            if found is not None:
+                await self._event(found, "FailedMount", message, "kubelet", "Warning")
 
     def _pod_kubeconfig(self, pod: _Pod, pod_spec: dict[str, Any]) -> str:
         return pod_kubeconfig(self.workspace, self._base_url, pod.namespace, pod_spec)
@@ -525,19 +636,17 @@ class Kubelet:
 
     # -- ending -----------------------------------------------------------------------------
 
-    def _exited(self, pod: _Pod, outcome: PodExit) -> None:
-        assert self._loop is not None
-        asyncio.run_coroutine_threadsafe(self._container_ended(pod, outcome), self._loop)
-
-    async def _container_ended(self, pod: _Pod, outcome: PodExit) -> None:
+    async def _container_ended(self, pod: _Pod, codes: list[int]) -> None:
         async with pod.lock:
             pod.running = False
             self.emulator.finished_logs.update((pod.namespace, n) for n in pod.names)
             if pod.terminating:
                 await self._remove(pod)
                 return
-            code = outcome.exit_code if outcome.exit_code is not None else 137
-            await self._finish(pod, code if code >= 0 else 128 - code)
+            if pod.deadline_exceeded:
+                await self._fail_past_deadline(pod)
+                return
+            await self._finish(pod, next((code for code in codes if code), 0), host_codes=codes)
 
     async def _finish(
         self,
@@ -545,17 +654,15 @@ class Kubelet:
         exit_code: int,
         reason: str | None = None,
         extra: dict[str, Any] | None = None,
+        host_codes: list[int] | None = None,
     ) -> None:
         image = pod.job["spec"]["template"]["spec"]["containers"][0]["image"]
         job_name = pod.job["metadata"]["name"]
         self.finished_at[job_name] = time.time()
         self._unbind(pod)
-        codes = self.local.host_exit_codes(job_name) if len(pod.names) > 1 else []
-        if len(codes) == len(pod.names):
-            for name, code in zip(pod.names, codes, strict=True):
-                code = 137 if code is None else (code if code >= 0 else 128 - code)
-                status = terminated_status(image, code, reason, extra)
-                await self._pod_status(pod, status, [name])
+        if host_codes is not None and len(pod.names) > 1:
+            for name, code in zip(pod.names, host_codes, strict=True):
+                await self._pod_status(pod, terminated_status(image, code, reason, extra), [name])
         else:
             await self._pod_status(pod, terminated_status(image, exit_code, reason, extra))
         await self._job_status(pod, finished_job_status(exit_code))
@@ -601,24 +708,17 @@ class Kubelet:
                 )
                 await self._request("DELETE", self._pod_path(pod))
             elif fault == "deadline":
-                condition = {
-                    "status": "True",
-                    "reason": "DeadlineExceeded",
-                    "message": "Job was active longer than specified deadline",
-                }
-                await self._job_status(
-                    pod, {"conditions": [{"type": "FailureTarget", **condition}]}
-                )
-                await self._request("DELETE", self._pod_path(pod))
-                await self._job_status(
-                    pod,
-                    {
-                        "conditions": [
-                            {"type": "FailureTarget", **condition},
-                            {"type": "Failed", **condition},
-                        ]
-                    },
-                )
+                await self._job_status(pod, {"conditions": [_deadline_condition("FailureTarget")]})
+                await self._fail_past_deadline(pod)
+
+    async def _fail_past_deadline(self, pod: _Pod) -> None:
+        """The Job past its activeDeadlineSeconds: its pods deleted, then the Job Failed."""
+        self.finished_at[pod.job["metadata"]["name"]] = time.time()
+        self._unbind(pod)
+        for name in pod.names:
+            await self._request("DELETE", self._pod_path(pod, name=name))
+        conditions = [_deadline_condition("FailureTarget"), _deadline_condition("Failed")]
+        await self._job_status(pod, {"conditions": conditions})
 
     def _fault(self, job_name: str) -> str | None:
         return self.faults_by_job.get(job_name, self.fault)
@@ -665,7 +765,7 @@ class Kubelet:
         """The Job is being deleted: stop the container, then remove the pod and the Job."""
         async with pod.lock:
             if pod.running:
-                self.local.cancel(pod.job["metadata"]["name"])  # `_container_ended` removes it
+                self._stop_containers(pod)  # `_container_ended` removes it
                 return
             await self._remove(pod)
 
@@ -704,6 +804,34 @@ class Kubelet:
         if current is not None and current["metadata"].get("finalizers"):
             path = f"/apis/batch/v1/namespaces/{meta['namespace']}/jobs/{meta['name']}"
             await self._request("PATCH", path, {"metadata": {"finalizers": []}})
+
+
+def _deadline_condition(kind: str) -> dict[str, str]:
+    return {
+        "type": kind,
+        "status": "True",
+        "reason": "DeadlineExceeded",
+        "message": "Job was active longer than specified deadline",
+    }
+
+
+def _env_value(pod: dict[str, Any], name: str) -> str | None:
+    """The value the pod's container env gives `name` (the last one wins)."""
+    values = [
+        i.get("value") for i in pod["spec"]["containers"][0].get("env") or [] if i["name"] == name
+    ]
+    return values[-1] if values else None
+
+
+_ADDRESSES: PodAddresses | None = None
+
+
+def _addresses() -> PodAddresses:
+    """This test process's pod addresses (one block for every cluster it starts)."""
+    global _ADDRESSES
+    if _ADDRESSES is None:
+        _ADDRESSES = PodAddresses(cache_dir() / "test-pod-addresses")
+    return _ADDRESSES
 
 
 def pods_at_once(job: dict[str, Any]) -> int:

@@ -40,17 +40,17 @@ _NO_TOKEN_KUBECONFIG = "no-service-account-token/kubeconfig"
 _SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
-def image_env(home: Path) -> dict[str, str]:
+def image_env(interpreter: str, home: Path) -> dict[str, str]:
     """The environment a python image gives every container: PATH, HOME and LANG.
 
-    And the suite's CA file for Prefect clients (tests/support/prefect_ca.py), as an
-    image may set one.
+    `PATH` starts with the directory of the image's `python` (`interpreter`), as a
+    python image's starts with `/usr/local/bin`. And the suite's CA file for Prefect
+    clients (tests/support/prefect_ca.py), as an image may set one.
     """
-    from kinetic_prefect.backends.local.interpreter import bare_python
     from tests.support.prefect_ca import one_certificate_ca_file
 
     return {
-        "PATH": f"{Path(bare_python()).parent}:{_SYSTEM_PATH}",
+        "PATH": f"{Path(interpreter).parent}:{_SYSTEM_PATH}",
         "HOME": str(home),
         "LANG": "C.UTF-8",
         "PREFECT_API_SSL_CERT_FILE": one_certificate_ca_file(),

@@ -615,7 +615,7 @@ def test_a_flow_pod_restarted_for_its_flow_run_reattaches_to_its_running_task_po
     gate = tmp_path / "gate"
     # A node of its own: these pods sign with the pool's record key, so on the shared test
     # node they would refuse, and unpack again, the copies other cases' pods run on.
-    cluster.kubelet.local.node_root = tmp_path / "node"
+    cluster.kubelet.node_root = tmp_path / "node"
     with gke_pool_worker(stack, gcs, tmp_path / "gke-worker") as client:
         deployment_id = deploy_to_gke_pool(
             client, deployed_flows.gated_cube_on_gke, "gated_cube_on_gke"
