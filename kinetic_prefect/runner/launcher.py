@@ -1,7 +1,8 @@
 """One task run on its way through pods: upstreams, data, package, launch, and how it ends.
 
 `Launcher` owns everything between `KineticTaskRunner.submit()` and a resolved
-future: it waits for upstream futures exactly as Prefect's engine would, ships
+future: it resolves upstream futures exactly as Prefect's engine would (the runner
+parks a submission until the futures it can watch are done), ships
 `Data`, packages the task, launches one Job per attempt through a backend, and
 turns the pod's report (or its silent death) into the future's state.
 
@@ -101,15 +102,15 @@ class Launcher:
         wait_for: Any,
         dependencies: dict[str, set[Any]] | None,
     ) -> None:
-        """Wait for upstreams as Prefect's engine does, then launch the first pod."""
+        """Resolve upstreams as Prefect's engine does, then launch the first pod."""
         from prefect.exceptions import UpstreamTaskError
         from prefect.utilities.engine import resolve_inputs_sync
 
         launch.dependencies = dependencies
         try:
             try:
-                # The engine's own resolution: waits on every future (a single one, a list,
-                # nested, behind allow_failure) and refuses unfinished upstreams alike.
+                # The engine's own resolution (a single future, a list, nested, behind
+                # allow_failure): this runner's are done by now; other kinds are waited on here.
                 resolve_inputs_sync({"wait_for": wait_for}, return_data=False)
                 resolved = resolve_inputs_sync(parameters, return_data=True, max_depth=-1)
             except UpstreamTaskError:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Self
 from prefect.client.schemas.objects import TaskRun
 from prefect.futures import PrefectConcurrentFuture, PrefectFuture, PrefectWrappedFuture
 from prefect.logging import get_logger
-from prefect.states import State
+from prefect.states import Failed, State
 from prefect.task_runners import TaskRunner
 from prefect.utilities.annotations import quote
 from prefect.utilities.collections import StopVisiting, visit_collection
@@ -362,9 +362,17 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
                 )
             except RuntimeError:  # the pool was shut down by cancel_all() meanwhile
                 self._launcher.cancel(launch, CANCELLED_ON_EXIT)
+            except Exception as exc:  # on an upstream's callback: nobody else would see it
+                message = f"Could not start the task run: {exc}"
+                self._launcher.conclude(launch, Failed(message=message, data=exc))
 
         # Parked until its upstreams are done; then a pool thread resolves them at once.
-        WhenDone(upstream_futures(parameters, wait_for), start)
+        try:
+            WhenDone(upstream_futures(parameters, wait_for), start)
+        except Exception as exc:
+            # The run exists in the API: it ends Failed rather than stay Pending.
+            message = f"Could not wait for the task's upstream futures: {exc}"
+            self._launcher.conclude(launch, Failed(message=message, data=exc))
         return KineticFuture(launch)
 
     def map(

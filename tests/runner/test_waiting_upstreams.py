@@ -8,16 +8,19 @@ waited until its own deadline. Pods import this module to run its tasks.
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 from prefect import flow, task
-from prefect.futures import wait
+from prefect.futures import PrefectConcurrentFuture, wait
 
 from kinetic_prefect import KineticTaskRunner
+from tests.support.waiting import wait_for_task_run_state
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
 
@@ -100,3 +103,26 @@ def test_two_hundred_waiting_task_runs_add_no_thread_to_the_flow_process(workdir
     assert with_two_hundred <= with_twenty, (with_twenty, with_two_hundred)
     # A waiting run holds no submitter thread: a pool of eight blocked ones was the old way.
     assert submitters < 8, submitters
+
+
+class _RefusesCallbacks(PrefectConcurrentFuture[Any]):
+    """A wrapped future that cannot take a done callback (a broken future type)."""
+
+    def add_done_callback(self, fn: Any) -> None:
+        raise RuntimeError("this future takes no callbacks")
+
+
+def test_a_task_run_whose_upstreams_cannot_be_waited_on_fails_and_is_not_left_pending():
+    @flow(task_runner=KineticTaskRunner(max_parallel=2))
+    def run() -> tuple[str, str, Any]:
+        upstream = _RefusesCallbacks(uuid.uuid4(), concurrent.futures.Future())
+        future = after.submit(upstream, 0)
+        future.wait(30)  # the state the runner resolved it with, not the API's yet
+        return future.state.type.value, future.state.message or "", future.task_run_id
+
+    state, message, task_run_id = run()
+
+    assert state == "FAILED"
+    assert "this future takes no callbacks" in message
+    # Task-run states reach the API as events: the server records them shortly after.
+    wait_for_task_run_state(task_run_id, "FAILED")
