@@ -159,7 +159,8 @@ def selects(service: Mapping[str, Any], pod: Mapping[str, Any]) -> bool:
     selector = spec.get("selector") or {}
     labels = pod["metadata"].get("labels") or {}
     return (
-        spec.get("clusterIP") == "None"
+        bool(pod["spec"].get("hostname"))
+        and spec.get("clusterIP") == "None"
         and service["metadata"]["namespace"] == pod["metadata"]["namespace"]
         and service["metadata"]["name"] == pod["spec"].get("subdomain")
         and bool(selector)
@@ -172,11 +173,17 @@ def hosts_file(
 ) -> str:
     """A pod's /etc/hosts: localhost, its own names, and the records DNS holds for its peers."""
     lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback"]
-    # As the kubelet writes it: the pod's FQDN, then its bare hostname.
+    # As the kubelet writes it: the pod's FQDN, then its bare hostname (the shorter
+    # forms come from DNS, so only once a Service publishes the pod, below).
     hostname = pod["spec"].get("hostname") or pod["metadata"]["name"]
-    own = dict.fromkeys([*dns_names(pod), hostname])
+    own = dict.fromkeys([dns_names(pod)[0], hostname])
     lines.append(f"{address}\t{' '.join(own)}")
-    lines += [f"{peer_address}\t{' '.join(dns_names(peer))}" for peer_address, peer in peers]
+    namespace = pod["metadata"]["namespace"]
+    for peer_address, peer in peers:
+        names = dns_names(peer)
+        if peer["metadata"]["namespace"] != namespace:
+            names = names[:3]  # the search path completes only the pod's own namespace
+        lines.append(f"{peer_address}\t{' '.join(names)}")
     return "\n".join(lines) + "\n"
 
 
@@ -219,6 +226,8 @@ class Sandbox:
     log: Path
     hosts: Path
     process: asyncio.subprocess.Process | None = None
+    # Its main container started (a Ready pod: it has no readiness probe).
+    started: bool = False
     kill: asyncio.TimerHandle | None = None
     volumes: dict[str, Path] = field(default_factory=dict)
 
@@ -289,18 +298,14 @@ class ContainerRuntime:
             peers = [
                 (other.address, other.pod)
                 for other in self.sandboxes.values()
-                if other is not box
-                and other.process is not None  # Ready: its container runs
-                and any(selects(s, other.pod) for s in services[other.pod["metadata"]["namespace"]])
+                if any(
+                    selects(s, other.pod)
+                    and (other.started or s["spec"].get("publishNotReadyAddresses"))
+                    for s in services[other.pod["metadata"]["namespace"]]
+                )
             ]
             content = hosts_file(box.pod, box.address, peers)
-            # In place (one write): the file is bind-mounted, so it must stay the same inode.
-            with open(box.hosts, "a+") as hosts:
-                hosts.seek(0)
-                if hosts.read() != content:
-                    hosts.seek(0)
-                    hosts.truncate()
-                    hosts.write(content)
+            _rewrite_in_place(box.hosts, content)
 
     async def mount_volumes(self, box: Sandbox, gcs_address: str | None) -> None:
         """Set up the pod's volumes on this machine (`MountFailed` if one cannot be)."""
@@ -366,8 +371,12 @@ class ContainerRuntime:
     ) -> int:
         """Run the pod's init containers in order; the first failing one's code, else 0."""
         for init in box.pod["spec"].get("initContainers") or []:
-            process = await self._start(box, init, secrets, home)
+            if box.kill is not None:  # stopped meanwhile
+                return 137
+            # Tracked as the pod's process while it runs, so a stop reaches it.
+            box.process = process = await self._start(box, init, secrets, home)
             code = await process.wait()
+            self.ended(box)
             if code != 0:
                 return code if code > 0 else 128 - code
         return 0
@@ -376,7 +385,10 @@ class ContainerRuntime:
         self, box: Sandbox, secrets: Mapping[str, Mapping[str, str]], home: Path
     ) -> None:
         """Start the pod's (first) container."""
+        if box.kill is not None:  # stopped while its init containers ran
+            return
         box.process = await self._start(box, box.pod["spec"]["containers"][0], secrets, home)
+        box.started = True
         self.dns_changed()
 
     async def _start(
@@ -401,12 +413,16 @@ class ContainerRuntime:
     def stop(self, box: Sandbox, grace_seconds: float) -> None:
         """SIGTERM the container, then SIGKILL once its grace period is over (as a kubelet)."""
         process = box.process
-        if process is None or process.returncode is not None:
-            return
+        if process is None or process.returncode is not None or box.kill is not None:
+            return  # not running, or already told
         _signal_group(process.pid, signal.SIGTERM)
-        if box.kill is None:
-            loop = asyncio.get_running_loop()
-            box.kill = loop.call_later(grace_seconds, _signal_group, process.pid, signal.SIGKILL)
+        box.kill = asyncio.get_running_loop().call_later(grace_seconds, _kill_if_running, process)
+
+    @staticmethod
+    def ended(box: Sandbox) -> None:
+        """Its container was reaped: no SIGKILL may reach its (reusable) pid afterwards."""
+        if box.kill is not None:
+            box.kill.cancel()
 
     def kill_all(self) -> Iterator[asyncio.subprocess.Process]:
         """SIGKILL every container still running (the node goes away); those processes."""
@@ -414,6 +430,27 @@ class ContainerRuntime:
             if box.process is not None and box.process.returncode is None:
                 _signal_group(box.process.pid, signal.SIGKILL)
                 yield box.process
+
+
+def _rewrite_in_place(path: Path, content: str) -> None:
+    """Write `content` over `path` with one write at offset 0, never shrinking the file.
+
+    The file is bind-mounted into a pod, so it must keep its inode, and a reader must
+    never find it empty: the rest is padded with blank lines instead of truncated.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        data = content.encode()
+        if os.pread(fd, size, 0).rstrip(b"\n") != data.rstrip(b"\n"):
+            os.pwrite(fd, data + b"\n" * max(0, size - len(data)), 0)
+    finally:
+        os.close(fd)
+
+
+def _kill_if_running(process: asyncio.subprocess.Process) -> None:
+    if process.returncode is None:  # not reaped yet: its pid is still its own
+        _signal_group(process.pid, signal.SIGKILL)
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:

@@ -43,6 +43,7 @@ the manifest as a user's settings would.
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
 import sys
 import time
@@ -53,7 +54,6 @@ from typing import Any
 
 import aiohttp
 
-from kinetic_prefect.launch.environment import cache_dir
 from tests.support.containers import (
     ContainerRuntime,
     MountFailed,
@@ -461,6 +461,22 @@ class Kubelet:
         except MountFailed as exc:
             await self._mount_failed(pod, image, str(exc))
             return
+        try:
+            codes = await self._run_hosts(pod, values, homes, image)
+        except BaseException:
+            # A broken kubelet fails the test (`errors`); nothing it started runs on.
+            self._stop_containers(pod)
+            raise
+        for box in pod.boxes:
+            self.runtime.forget(box)
+        await self._container_ended(pod, codes)
+
+    async def _run_hosts(
+        self, pod: _Pod, values: dict[str, dict[str, str]], homes: list[Path], image: str
+    ) -> list[int]:
+        """Run the hosts' init containers, then their containers; each host's exit code."""
+        if pod.terminating:
+            return [137] * len(pod.boxes)
         init_codes = await asyncio.gather(
             *(
                 self.runtime.run_init_containers(b, values, h)
@@ -484,11 +500,8 @@ class Kubelet:
             codes = await self._wait_for_hosts(pod)
             if deadline is not None:
                 timer.cancel()
-        else:
-            codes = [failed_init] * len(pod.boxes)
-        for box in pod.boxes:
-            self.runtime.forget(box)
-        await self._container_ended(pod, codes)
+            return codes
+        return [failed_init or 137] * len(pod.boxes)
 
     async def _wait_for_hosts(self, pod: _Pod) -> list[int]:
         """Each host's exit code, once all ended. When one fails, the Job has failed: the
@@ -496,7 +509,9 @@ class Kubelet:
         waits = {asyncio.ensure_future(box.process.wait()): box for box in pod.boxes if box.process}
         pending = set(waits)
         while pending:
-            _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for finished in done:
+                self.runtime.ended(waits[finished])
             if any(box.exit_code for box in pod.boxes):
                 self._stop_containers(pod)
         return [box.exit_code or 0 for box in pod.boxes]
@@ -804,6 +819,14 @@ class Kubelet:
         if current is not None and current["metadata"].get("finalizers"):
             path = f"/apis/batch/v1/namespaces/{meta['namespace']}/jobs/{meta['name']}"
             await self._request("PATCH", path, {"metadata": {"finalizers": []}})
+
+
+def cache_dir() -> Path:
+    """Where the test node and image live on this machine: the suite's cache, which
+    `KINETIC_CACHE_DIR` names as it does the product's (shared across the run's processes)."""
+    configured = os.environ.get("KINETIC_CACHE_DIR")
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(configured) if configured else Path(base) / "kinetic-prefect"
 
 
 def _deadline_condition(kind: str) -> dict[str, str]:

@@ -130,6 +130,13 @@ def _service(name: str = "train-hosts", cluster_ip: str = "None", **selector: st
         (_service(**{"job-name": "other"}), False),  # selects other pods
         ({**_service(), "metadata": {"name": "train-hosts", "namespace": "x"}}, False),
     ],
+    ids=[
+        "headless, named, selecting",
+        "another name",
+        "not headless",
+        "other pods",
+        "other namespace",
+    ],
 )
 def test_only_a_headless_service_named_by_the_subdomain_that_selects_the_pod_publishes_it(
     service, selected
@@ -144,10 +151,25 @@ def test_a_pods_hosts_file_has_its_own_names_and_its_peers_records():
     lines = hosts_file(me, "127.9.1.1", [("127.9.1.2", peer)]).splitlines()
 
     assert lines[0] == "127.0.0.1\tlocalhost"
-    assert lines[2].split("\t") == [
-        "127.9.1.1",
-        "train-0.train-hosts.ml.svc.cluster.local train-0.train-hosts.ml.svc "
-        "train-0.train-hosts.ml train-0.train-hosts train-0",
-    ]
+    # Its own line as the kubelet writes it: the FQDN and the bare hostname only.
+    assert lines[2].split("\t") == ["127.9.1.1", "train-0.train-hosts.ml.svc.cluster.local train-0"]
     assert lines[3].startswith("127.9.1.2\ttrain-1.train-hosts.ml.svc.cluster.local ")
     assert lines[3].endswith(" train-1.train-hosts")  # a peer's bare hostname is not in DNS
+
+
+def test_a_pod_without_a_hostname_gets_no_record():
+    assert selects(_service(), _pod(subdomain="train-hosts")) is False
+
+
+def test_a_peer_in_another_namespace_answers_only_to_names_that_say_its_namespace():
+    me = _pod(hostname="train-0", subdomain="train-hosts")
+    peer = _pod(name="p", hostname="train-1", subdomain="train-hosts")
+    peer["metadata"]["namespace"] = "other"
+
+    (line,) = hosts_file(me, "127.9.1.1", [("127.9.1.3", peer)]).splitlines()[3:]
+
+    assert line.split("\t")[1].split() == [
+        "train-1.train-hosts.other.svc.cluster.local",
+        "train-1.train-hosts.other.svc",
+        "train-1.train-hosts.other",
+    ]
