@@ -62,10 +62,23 @@ def _end_pod(reason: str) -> None:
     sys.stderr.write(f"kinetic-prefect pod: ending, nobody owns this pod: {reason}\n")
     sys.stderr.flush()
     grace = Intervals.from_environ(os.environ).emergency_window_seconds
-    killer = threading.Timer(grace, os.kill, args=(os.getpid(), signal.SIGKILL))
+    killer = threading.Timer(grace, _signal_self, args=(signal.SIGKILL,))
     killer.daemon = True
     killer.start()
-    os.kill(os.getpid(), signal.SIGTERM)
+    _signal_self(signal.SIGTERM)
+
+
+def _signal_self(sig: signal.Signals) -> None:
+    """Send `sig` to this process, as the kubelet would send it.
+
+    On GKE the task is its container's PID 1, and the kernel drops a signal that PID 1
+    sends itself when it has no handler for it (SIGKILL included). There the process
+    exits with the status the signal would have given (128 + its number) instead.
+    """
+    if os.getpid() == 1 and (sig == signal.SIGKILL or signal.getsignal(sig) == signal.SIG_DFL):
+        sys.stderr.flush()
+        os._exit(128 + sig)
+    os.kill(os.getpid(), sig)
 
 
 def start_watchdog(look_seconds: float) -> None:

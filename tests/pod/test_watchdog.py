@@ -192,3 +192,42 @@ def test_watchdogs_send_no_prefect_api_request_however_many_pods(
 
     assert all("the flow run is cancelled" in reason for reason in reasons)
     assert requests == []
+
+
+# A pod's task as its container's PID 1, as on GKE: the watchdog ends it (then it would sleep
+# on and exit 3). The kernel drops signals PID 1 sends itself without a handler.
+AS_PID_1 = (
+    "import os, time\n"
+    "from kinetic_prefect.pod.watchdog import _end_pod\n"
+    "assert os.getpid() == 1\n"
+    "_end_pod('the test says so')\n"
+    "time.sleep(60)\n"
+    "raise SystemExit(3)\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("handler", "code"),
+    [
+        pytest.param("", 143, id="no SIGTERM handler: exits as SIGTERM would end it"),
+        pytest.param(
+            "import signal\n"
+            "signal.signal(signal.SIGTERM, lambda *_: print('saving', flush=True))\n",
+            137,
+            id="a SIGTERM handler runs, then the grace ends it",
+        ),
+    ],
+)
+def test_a_pod_that_is_its_containers_pid_1_ends_itself(handler: str, code: int):
+    intervals = '{"emergency_window_seconds": 1, "termination_grace_seconds": 2}'
+    ended = subprocess.run(
+        ["unshare", "--pid", "--fork", "--kill-child", sys.executable, "-c", handler + AS_PID_1],
+        env={**os.environ, "KINETIC_INTERVALS": intervals},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+    assert ended.returncode == code, ended.stderr
+    assert "ending, nobody owns this pod: the test says so" in ended.stderr
+    assert ("saving" in ended.stdout) is bool(handler)
