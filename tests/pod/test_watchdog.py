@@ -195,13 +195,13 @@ def test_watchdogs_send_no_prefect_api_request_however_many_pods(
 
 
 # A pod's task as its container's PID 1, as on GKE: the watchdog ends it (then it would sleep
-# on and exit 3). The kernel drops signals PID 1 sends itself without a handler.
+# on until the case's deadline). The kernel drops signals PID 1 sends itself without a handler.
 AS_PID_1 = (
-    "import os, time\n"
+    "import os, threading\n"
     "from kinetic_prefect.pod.watchdog import _end_pod\n"
     "assert os.getpid() == 1\n"
     "_end_pod('the test says so')\n"
-    "time.sleep(60)\n"
+    "threading.Event().wait()  # until ended: the case's subprocess timeout is the deadline\n"
     "raise SystemExit(3)\n"
 )
 
