@@ -199,8 +199,7 @@ class JobEnding:
                 job.failing_to_start = False
                 self._outcomes.evaluate(job)
                 return
-            started = job.admitted_at or job.created_at
-            waited = time.monotonic() - started - self._outcomes.capacity_waited(job)
+            waited = time.monotonic() - (job.pending_since or job.created_at)
             reason = (job.pending_reason or "the pod did not start") + (
                 f" (pending for {waited:.0f}s, longer than "
                 f"pending_timeout_seconds={self.pending_timeout_seconds:g}; the Job was deleted)"

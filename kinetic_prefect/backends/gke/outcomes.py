@@ -19,18 +19,20 @@ shown it yet when the Job's suspension arrives. A pod deleted while its Job goes
 waits for the Job's side of the story, which may name the eviction. A Job suspended
 since its creation (never seen unsuspended) is waiting in a queue, not evicted.
 
-A pod waiting for capacity that exists (nodes of its kind busy, or a node being
-added: `status.Pending.waits_for_capacity`) is queued, not pending: that time does
-not count toward `pending_timeout_seconds`, only toward `queue_timeout_seconds`
-(None: it waits as long as it takes). An unschedulable pod that no node matches has
+A pod waiting for capacity that exists (nodes of its kind busy, or a node being added:
+`status.Pending.waits_for_capacity`) is queued, not pending: that time does not count
+toward `pending_timeout_seconds`, only toward `queue_timeout_seconds` (None: it waits as
+long as it takes). When such a wait ends the pending clock starts again from zero: the
+scheduler places the pod on the freed or returned nodes a moment later, and until then
+its message still gives the old reason. An unschedulable pod that no node matches has
 its own events read once it has been pending a probe interval, and again before it
 fails: a TriggeredScaleUp there (a node pool growing from zero) makes it a capacity
 wait. A pod the scheduler says is waiting for busy nodes costs no event reads. An
-unschedulable pod that the scheduler turned away from nodes for a taint or a cordon
-has the nodes of its kind read with its events: when some of them are not ready or
-cordoned (a node pool being repaired or recreated, as GKE recreates a TPU slice's
-nodes together) it waits for capacity too, and those nodes are read again every
-probe interval while it waits for them.
+unschedulable pod that the scheduler turned away from nodes for a taint or a cordon has
+the nodes of its kind read with its events: when some of them are not ready or cordoned
+(a node pool being repaired or recreated, as GKE recreates a TPU slice's nodes together)
+it waits for capacity too, and those nodes are read again every probe interval while it
+waits for them.
 
 Nothing here calls the API or runs callbacks: the backend passes in what to do
 when a job ends, waits, fails to start or needs a probe.
@@ -123,7 +125,7 @@ class OutcomeTracker:
             self._admitted(job, job.created_at)
 
     def _admitted(self, job: TrackedJob, now: float) -> None:
-        job.admitted_at = now
+        job.admitted_at = job.pending_since = now
         job.next_probe = now + min(
             self.intervals.events_probe_seconds, self.pending_timeout_seconds / 2
         )
@@ -227,7 +229,10 @@ class OutcomeTracker:
             self._report_pending(job, reason)
 
     def _track_capacity_wait(self, job: TrackedJob, waits: bool) -> None:
-        """Open or close the job's current wait for capacity (it stops the pending clock)."""
+        """Open or close the job's current wait for capacity. The wait stops the pending
+        clock; its end starts it again from zero: the capacity the pod waited for (nodes back
+        from repair, a node freed) takes the scheduler a moment to use, and its message says
+        the old reason until then."""
         now = self._clock()
         if waits and job.capacity_since is None:
             job.capacity_since, job.capacity_since_wall = now, time.time()
@@ -235,6 +240,7 @@ class OutcomeTracker:
         elif not waits and job.capacity_since is not None:
             job.capacity_waited += now - job.capacity_since
             job.capacity_since = None
+            job.pending_since = now
             self.poke()
 
     def capacity_waited(self, job: TrackedJob, now: float | None = None) -> float:
@@ -325,7 +331,7 @@ class OutcomeTracker:
                     self._fail_to_start(job, self._queue_timeout_reason(job, waited))
                     return None
                 return min([*moments, deadline])
-            deadline = admitted + waited + self.pending_timeout_seconds
+            deadline = job.pending_since + self.pending_timeout_seconds
             if now >= deadline:
                 self._fail_to_start(job, None)
                 return None

@@ -71,6 +71,9 @@ class TrackedJob:
     # When its Job was admitted (time.monotonic()): at creation, or when Kueue unsuspended
     # it; None while it waits in a Kueue LocalQueue. The pending timeout counts from here.
     admitted_at: float | None = None
+    # When its pending clock last started (monotonic): at admission, and again whenever a
+    # wait for capacity ends (the pod then needs the scheduler to place it).
+    pending_since: float = 0.0
     pod: dict[str, Any] | None = None
     pod_gone: bool = False
     job: dict[str, Any] | None = None
@@ -85,7 +88,7 @@ class TrackedJob:
     done: bool = False
     pending_reason: str | None = None
     # Waiting for capacity (status.Pending.waits_for_capacity): since when (monotonic), and
-    # how long earlier waits lasted. Neither counts toward the pending timeout.
+    # how long earlier waits lasted (toward the queue timeout, never the pending one).
     capacity_since: float | None = None
     capacity_since_wall: float = 0.0
     capacity_waited: float = 0.0
