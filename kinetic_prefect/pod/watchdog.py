@@ -95,6 +95,7 @@ def start_watchdog(look_seconds: float) -> None:
         os.environ.get(SIGNING_KEY_ENV, ""),
         os.environ.get(FLOW_RUN_ID_ENV) or "no-flow-run",
         since,
+        lease_uri,
     )
     every = min(max(timeout / 4, 0.5), look_seconds)
 
