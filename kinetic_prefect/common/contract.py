@@ -93,13 +93,7 @@ class Record(BaseModel):
         Raises `RecordError` naming the kind, version or field when `data` is not
         exactly a record of this model's kind and version.
         """
-        try:
-            raw = json.loads(data)
-        except ValueError as exc:
-            raise RecordError(
-                f"{source} is not a {cls.record_kind()!r} record: not JSON ({exc})", source=source
-            ) from exc
-        return cls.from_fields(raw, source)
+        return cls.from_fields(parse_json(data, source, f"a {cls.record_kind()!r} record"), source)
 
     @classmethod
     def from_fields(cls: type[R], raw: Any, source: str) -> R:
@@ -133,6 +127,14 @@ class Record(BaseModel):
             return cls.model_validate(raw)
         except ValidationError as exc:
             raise _field_error(exc, expected, cls.record_version(), source) from exc
+
+
+def parse_json(data: bytes | str, source: str, what: str) -> Any:
+    """The JSON value in `data` read from `source`; `RecordError` saying it is not `what`."""
+    try:
+        return json.loads(data)
+    except ValueError as exc:
+        raise RecordError(f"{source} is not {what}: not JSON ({exc})", source=source) from exc
 
 
 def _field_error(exc: ValidationError, kind: str, version: int, source: str) -> RecordError:

@@ -31,34 +31,34 @@ class WheelEntry(BaseModel):
     sha256: str
 
 
-class EnvironmentSpec(Record):
-    """`spec.json`: the resolved pins, the platform and Python, the local wheels."""
+class _Pinned(Record):
+    """What a spec asks for and its manifest repeats: the key, Python, platform, pins, wheels."""
 
-    kind: Literal["environment-spec"] = "environment-spec"
-    version: int = SPEC_VERSION
     key: str
     python: str
     platform: str
     pins: list[str]
     wheels: list[WheelEntry] = Field(default_factory=list)
+
+
+class EnvironmentSpec(_Pinned):
+    """`spec.json`: the resolved pins, the platform and Python, the local wheels."""
+
+    kind: Literal["environment-spec"] = "environment-spec"
+    version: int = SPEC_VERSION
     index_url: str | None = None
     extras: list[str] = Field(default_factory=list)
     requirements: str = ""
 
 
-class EnvironmentManifest(Record):
+class EnvironmentManifest(_Pinned):
     """`manifest.json`: what the builder built, from what, and how long it took."""
 
     kind: Literal["environment-manifest"] = "environment-manifest"
     version: int = 1
-    key: str
     sha256: str
     size: int
     files: int
-    python: str
-    platform: str
-    pins: list[str]
-    wheels: list[WheelEntry]
     install_seconds: float
     pack_seconds: float
     built_by: str | None = None

@@ -23,7 +23,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field
 
-from kinetic_prefect.common.contract import Record
+from kinetic_prefect.common.contract import Record, parse_json
 from kinetic_prefect.errors import RecordError
 
 # The lines around each task's part of a warm pod's log (`jobs logs JOB_ID` cuts there).
@@ -86,12 +86,7 @@ def batch_to_json(batch: list[Assignment]) -> bytes:
 
 def batch_from_json(data: bytes, source: str) -> list[Assignment]:
     """The tasks of an `assign-{n}.json` read from `source`; `RecordError` if it is not one."""
-    try:
-        items = json.loads(data)
-    except ValueError as exc:
-        raise RecordError(
-            f"{source} is not an assignment batch: not JSON ({exc})", source=source
-        ) from exc
+    items = parse_json(data, source, "an assignment batch")
     if not isinstance(items, list) or not items:
         raise RecordError(
             f"{source} is not an assignment batch: not a non-empty JSON list", source=source
