@@ -84,3 +84,41 @@ class EnvironmentBuildError(KineticError):
 
     The message names the requirement, or the builder's reason, and what to do.
     """
+
+
+class RecordError(KineticError, ValueError):
+    """A record read from the jobs store is not one this kinetic-prefect can read.
+
+    Attributes:
+        source: where the record was read from (a path or URI).
+        kind: the record's kind, when it names one.
+        version: the record's version, when it is the version that is unknown.
+        field: the unknown, missing or invalid field, when one is at fault.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        source: str,
+        kind: str | None = None,
+        version: int | None = None,
+        field: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.source = source
+        self.kind = kind
+        self.version = version
+        self.field = field
+
+    def __reduce__(self):  # keep the keyword-only attributes across pickling
+        return (
+            _rebuild_record_error,
+            (str(self), self.source, self.kind, self.version, self.field),
+        )
+
+
+def _rebuild_record_error(
+    message: str, source: str, kind: str | None, version: int | None, field: str | None
+) -> RecordError:
+    return RecordError(message, source=source, kind=kind, version=version, field=field)

@@ -176,8 +176,8 @@ class ClusterJobs:
 
 def warm_pod_of(store: JobsStore | None, job_id: str) -> str | None:
     """The warm pod that its `warm-pod.json` says ran job `job_id`, if there is one."""
-    import json
 
+    from kinetic_prefect.common.handover import Acceptance
     from kinetic_prefect.common.layout import WARM_POD_JSON
 
     if store is None:
@@ -185,7 +185,7 @@ def warm_pod_of(store: JobsStore | None, job_id: str) -> str | None:
     key = layout.job_file(job_id, WARM_POD_JSON)
     if not store.exists(key):
         return None
-    return str(json.loads(store.get_bytes(key))["pod"])
+    return Acceptance.decode(store.get_bytes(key), store.uri(key)).pod
 
 
 def assigned_pod_of(store: JobsStore, job_id: str) -> str | None:
@@ -197,7 +197,10 @@ def assigned_pod_of(store: JobsStore, job_id: str) -> str | None:
         pod, _, file = name.removeprefix(f"{layout.JOBS_PREFIX}/").partition("/warm/")
         if not file.startswith("assign-"):
             continue
-        if any(task.job_id == job_id for task in batch_from_json(store.get_bytes(name))):
+        if any(
+            task.job_id == job_id
+            for task in batch_from_json(store.get_bytes(name), store.uri(name))
+        ):
             return pod
     return None
 

@@ -19,7 +19,12 @@ from __future__ import annotations
 
 import base64
 import json
-from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+from pydantic import ConfigDict, Field
+
+from kinetic_prefect.common.contract import Record, parse_json
+from kinetic_prefect.errors import RecordError
 
 # The lines around each task's part of a warm pod's log (`jobs logs JOB_ID` cuts there).
 BEGIN_MARK = "kinetic-prefect pod: ===== begin job"
@@ -47,8 +52,7 @@ INLINE_PAYLOAD_BYTES = 64 * 1024
 MAX_BATCH = 4
 
 
-@dataclass(frozen=True)
-class Assignment:
+class Assignment(Record):
     """The next task run for a warm pod: the pod's arguments and the task's own env.
 
     `payload_inline` is the payload itself (base64) when small, and `payload` then only
@@ -56,6 +60,10 @@ class Assignment:
     pod started with.
     """
 
+    model_config = ConfigDict(frozen=True)
+
+    kind: Literal["assignment"] = "assignment"
+    version: int = 1
     job_id: str
     task_run_id: str
     job_dir: str
@@ -63,7 +71,7 @@ class Assignment:
     payload_sha256: str
     context: str
     context_sha256: str
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = Field(default_factory=dict)
     payload_inline: str = ""
 
     def payload_bytes(self) -> bytes | None:
@@ -72,17 +80,32 @@ class Assignment:
 
 
 def batch_to_json(batch: list[Assignment]) -> bytes:
-    """An `assign-{n}.json`: the tasks the pod runs next, in order."""
-    return json.dumps([asdict(a) for a in batch], sort_keys=True).encode()
+    """An `assign-{n}.json`: the tasks the pod runs next, in order (a JSON list of records)."""
+    return json.dumps([a.fields() for a in batch], sort_keys=True).encode()
 
 
-def batch_from_json(data: bytes) -> list[Assignment]:
-    return [Assignment(**item) for item in json.loads(data)]
+def batch_from_json(data: bytes, source: str) -> list[Assignment]:
+    """The tasks of an `assign-{n}.json` read from `source`; `RecordError` if it is not one."""
+    items = parse_json(data, source, "an assignment batch")
+    if not isinstance(items, list) or not items:
+        raise RecordError(
+            f"{source} is not an assignment batch: not a non-empty JSON list", source=source
+        )
+    return [Assignment.from_fields(item, f"{source}[{i}]") for i, item in enumerate(items)]
+
+
+class Acceptance(Record):
+    """A task's `warm-pod.json`: the warm pod that took the task, and in which assignment."""
+
+    kind: Literal["warm-acceptance"] = "warm-acceptance"
+    version: int = 1
+    pod: str
+    sequence: int
 
 
 def acceptance(pod_id: str, sequence: int) -> bytes:
     """What a warm pod writes to a task's `warm-pod.json` as it takes the task."""
-    return json.dumps({"pod": pod_id, "sequence": sequence}).encode()
+    return Acceptance(pod=pod_id, sequence=sequence).encode()
 
 
 def task_section(log: str, job_id: str) -> str:

@@ -15,41 +15,22 @@ nor ends a live one, and an old lease replayed is no news.
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
+from typing import Literal
 
-from kinetic_prefect.common import signing
+from kinetic_prefect.common.contract import SignedRecord
+from kinetic_prefect.errors import RecordError
 
 
-@dataclass
-class LeaseRecord(signing.SignedRecord):
+class LeaseRecord(SignedRecord):
     """One renewal of a flow run's lease."""
 
+    kind: Literal["lease"] = "lease"
+    version: int = 1
     flow_run_id: str
     renewed_at: float
     sequence: int
     writer: str
     ending: str | None = None
-    signature: str | None = None
-
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
-
-    @classmethod
-    def from_json(cls, data: bytes) -> LeaseRecord:
-        """The record in `data`; ValueError for anything that is not a lease record."""
-        try:
-            raw = json.loads(data)
-            return cls(
-                flow_run_id=str(raw["flow_run_id"]),
-                renewed_at=float(raw["renewed_at"]),
-                sequence=int(raw["sequence"]),
-                writer=str(raw["writer"]),
-                ending=None if raw.get("ending") is None else str(raw["ending"]),
-                signature=None if raw.get("signature") is None else str(raw["signature"]),
-            )
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise ValueError(f"not a lease record: {exc}") from exc
 
 
 class LeaseWatch:
@@ -60,8 +41,9 @@ class LeaseWatch:
     flow run cannot end the pod.
     """
 
-    def __init__(self, key: str, flow_run_id: str, since: float) -> None:
+    def __init__(self, key: str, flow_run_id: str, since: float, source: str = "lease") -> None:
         self._key = key
+        self._source = source
         self._flow_run_id = flow_run_id
         self.renewed_at = since
         self.ending: str | None = None
@@ -72,8 +54,8 @@ class LeaseWatch:
         if data is None:
             return
         try:
-            record = LeaseRecord.from_json(data)
-        except ValueError:
+            record = LeaseRecord.decode(data, self._source)
+        except RecordError:
             self.ignored += 1
             return
         if (

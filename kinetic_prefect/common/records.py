@@ -9,11 +9,11 @@ to read per attempt.
 from __future__ import annotations
 
 import base64
-import json
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Literal
 
-from kinetic_prefect.common import signing
+from pydantic import Field
+
+from kinetic_prefect.common.contract import SignedRecord
 from kinetic_prefect.common.layout import FINAL_STATE_JSON  # noqa: F401
 
 PHASES = ("download", "verify", "extract", "unpickle", "data", "environment", "run", "report")
@@ -29,14 +29,16 @@ STATUS_PHASE_FAILED = "phase-failed"
 STATUS_ALREADY_FINAL = "already-final"
 
 
-@dataclass
-class FinalRecord(signing.SignedRecord):
+class FinalRecord(SignedRecord):
     """What a pod reports about itself, readable without unpickling anything.
 
     Signed with the flow run's key; the signature covers the pickled state it
     carries and, through its digest, the result record in result storage.
+    `pod/bootstrap.py` writes one too, for its environment phase.
     """
 
+    kind: Literal["final-state"] = "final-state"
+    version: int = 1
     status: str
     phase: str | None = None
     error_type: str | None = None
@@ -44,8 +46,8 @@ class FinalRecord(signing.SignedRecord):
     traceback: str | None = None
     state_type: str | None = None
     state_name: str | None = None
-    versions: dict[str, str] = field(default_factory=dict)
-    timings: dict[str, float] = field(default_factory=dict)
+    versions: dict[str, str] = Field(default_factory=dict)
+    timings: dict[str, float] = Field(default_factory=dict)
     # The cloudpickled Prefect state (base64), when the task ran: never unpickled unsigned.
     state_pickle: str | None = None
     # The Prefect result record the pod's engine persisted to result storage (its storage
@@ -57,10 +59,6 @@ class FinalRecord(signing.SignedRecord):
     # A warm pod: the job of the next assignment, when it took it before this report
     # (its acceptance of that task; see common.handover).
     next_job: str | None = None
-    signature: str | None = None
-
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self), indent=1).encode()
 
     def carry_state(self, pickled: bytes) -> None:
         self.state_pickle = base64.b64encode(pickled).decode()
@@ -78,19 +76,12 @@ class FinalRecord(signing.SignedRecord):
     def carried_result(self) -> bytes | None:
         return base64.b64decode(self.result_record) if self.result_record is not None else None
 
-    @classmethod
-    def from_json(cls, data: bytes) -> FinalRecord:
-        raw: dict[str, Any] = json.loads(data)
-        known = {k: v for k, v in raw.items() if k in cls.__dataclass_fields__}
-        return cls(**known)
-
 
 # The custom metadata key of a GCS result record that carries its seal.
 SEAL_METADATA_KEY = "kinetic-result-seal"
 
 
-@dataclass
-class ResultSeal(signing.SignedRecord):
+class ResultSeal(SignedRecord):
     """A pod's signed word on a result record it persisted: where it is and its sha256.
 
     Kept so that a later flow run whose cache policy hits the record can check it
@@ -100,17 +91,10 @@ class ResultSeal(signing.SignedRecord):
     from its master key.
     """
 
+    kind: Literal["result-seal"] = "result-seal"
+    version: int = 1
     flow_run_id: str
     task_run_id: str
     storage_block_id: str
     storage_key: str
     sha256: str
-    signature: str | None = None
-
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
-
-    @classmethod
-    def from_json(cls, data: bytes) -> ResultSeal:
-        raw: dict[str, Any] = json.loads(data)
-        return cls(**{k: v for k, v in raw.items() if k in cls.__dataclass_fields__})

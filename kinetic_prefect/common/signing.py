@@ -3,12 +3,12 @@
 A record's signature is an HMAC-SHA256, keyed by its flow run's key
 (`kinetic_prefect.runner.record_key`), over its fields as canonical JSON (sorted
 keys, the signature itself left out). Whoever can write the jobs bucket but
-does not hold the key cannot make a record that verifies.
+does not hold the key cannot make a record that verifies. `common.contract.SignedRecord`
+signs the jobs store's records with it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import hmac
 import json
@@ -27,21 +27,3 @@ def verifies(key: str, fields: Mapping[str, Any], signed: str | None) -> bool:
     if not signed or not key:
         return False
     return hmac.compare_digest(signature(key, fields), signed)
-
-
-class SignedRecord:
-    """For a dataclass with a `signature` field: signing covers every other field."""
-
-    signature: str | None
-
-    def signed_fields(self) -> dict[str, Any]:
-        fields = dataclasses.asdict(self)  # type: ignore[call-overload]
-        return {k: v for k, v in fields.items() if k != "signature"}
-
-    def sign(self, key: str) -> None:
-        """Sign the record with `key` (the flow run's record key)."""
-        self.signature = signature(key, self.signed_fields())
-
-    def signed_by(self, key: str) -> bool:
-        """True if the record carries a valid signature made with `key`."""
-        return verifies(key, self.signed_fields(), self.signature)

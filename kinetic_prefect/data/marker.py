@@ -2,9 +2,9 @@
 
 Local `Data` is stored under `data-cache/{sha256}/` (one object per file, named
 by its path relative to the data root; a single file keeps its own name).
-`data-markers/{sha256}` is written last and lists every file with its size and
-sha256; the content hash is the sha256 of that listing, so the pod can check a
-marker against the hash it was given and every file against the marker.
+`data-markers/{sha256}` (a `DataMarker` record) is written last and lists every
+file with its size and sha256; the content hash is the sha256 of that listing, so
+the pod can check a marker against the hash it was given and every file against the marker.
 Shared by the orchestrator and the pod.
 """
 
@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
-import json
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 from kinetic_prefect.common import layout
+from kinetic_prefect.common.contract import Record
+from kinetic_prefect.errors import RecordError
 
-MARKER_FORMAT = 1
 READ_CHUNK = 1024 * 1024
 _T = TypeVar("_T")
 _R = TypeVar("_R")
@@ -72,15 +72,21 @@ cache_key = layout.data_cache_key
 marker_key = layout.data_marker_key
 
 
+class DataMarker(Record):
+    """`data-markers/{sha256}`: the files of a cached `Data`, each as [path, size, sha256]."""
+
+    kind: Literal["data-marker"] = "data-marker"
+    version: int = 2
+    sha256: str
+    content: Literal["dir", "file"]
+    files: list[tuple[str, int, str]]
+
+
 def encode_marker(digest: str, is_dir: bool, files: Iterable[FileDigest]) -> bytes:
-    return json.dumps(
-        {
-            "format": MARKER_FORMAT,
-            "sha256": digest,
-            "kind": "dir" if is_dir else "file",
-            "files": [[f.relative, f.size, f.sha256] for f in files],
-        },
-        separators=(",", ":"),
+    return DataMarker(
+        sha256=digest,
+        content="dir" if is_dir else "file",
+        files=[(f.relative, f.size, f.sha256) for f in files],
     ).encode()
 
 
@@ -88,18 +94,14 @@ def decode_marker(raw: bytes, digest: str) -> list[FileDigest]:
     """The files a marker lists, checked against the content hash `digest`.
 
     Raises `DataIntegrityError` for a marker that is unreadable, of another
-    format, or whose listing does not hash to `digest`.
+    version, or whose listing does not hash to `digest`.
     """
     try:
-        body = json.loads(raw)
-        if body.get("format") != MARKER_FORMAT:
-            raise ValueError(f"format {body.get('format')!r}")
-        files = [FileDigest(str(r), int(s), str(h)) for r, s, h in body["files"]]
-        is_dir = body["kind"] == "dir"
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise DataIntegrityError(
-            f"The data-cache marker {marker_key(digest)} is unreadable ({exc})."
-        ) from exc
+        body = DataMarker.decode(raw, marker_key(digest))
+    except RecordError as exc:
+        raise DataIntegrityError(f"The data-cache marker is unreadable: {exc}") from exc
+    files = [FileDigest(*entry) for entry in body.files]
+    is_dir = body.content == "dir"
     if combined_digest(is_dir, files) != digest:
         raise DataIntegrityError(
             f"The data-cache marker {marker_key(digest)} lists files whose combined hash is "

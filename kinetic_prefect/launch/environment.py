@@ -34,6 +34,13 @@ from typing import Any
 
 from kinetic_prefect.common import layout
 from kinetic_prefect.common.env import SHIPPED_ENV_ENV
+from kinetic_prefect.common.environment_records import (
+    SPEC_VERSION,
+    EnvironmentManifest,
+    EnvironmentMarker,
+    EnvironmentSpec,
+    WheelEntry,
+)
 from kinetic_prefect.common.storage import JobsStore
 from kinetic_prefect.errors import ConfigurationError, EnvironmentBuildError
 from kinetic_prefect.launch.accelerators import Accelerator
@@ -42,7 +49,7 @@ MODES = ("auto", "ship", "image")
 BUILDERS = ("cluster", "local")
 # The default image is `python:{minor}-slim`: Debian 12, glibc 2.36, x86_64.
 POD_PLATFORM = "x86_64-manylinux_2_36"
-FORMAT_VERSION = 2
+FORMAT_VERSION = SPEC_VERSION
 SELF = "kinetic-prefect"
 # Where the bootstrap's source lives, read as text: the pod runs it before kinetic-prefect exists.
 BOOTSTRAP_SOURCE = Path(__file__).resolve().parent.parent / "pod" / "bootstrap.py"
@@ -325,17 +332,17 @@ class EnvironmentPlan:
     extras: tuple[str, ...] = ()
 
     def spec(self) -> dict[str, Any]:
-        return {
-            "format": FORMAT_VERSION,
-            "key": self.key,
-            "python": self.python,
-            "platform": self.platform,
-            "pins": list(self.pins),
-            "wheels": [{"name": w.name, "sha256": w.sha256} for w in self.wheels],
-            "index_url": self.index_url,
-            "extras": list(self.extras),
-            "requirements": self.requirements_source,
-        }
+        """The builder's `spec.json` (an `EnvironmentSpec` record) as JSON fields."""
+        return EnvironmentSpec(
+            key=self.key,
+            python=self.python,
+            platform=self.platform,
+            pins=list(self.pins),
+            wheels=[WheelEntry(name=w.name, sha256=w.sha256) for w in self.wheels],
+            index_url=self.index_url,
+            extras=list(self.extras),
+            requirements=self.requirements_source,
+        ).fields()
 
 
 def _key(python: str, platform: str, pins: Sequence[str], wheels: Sequence[LocalWheel]) -> str:
@@ -456,26 +463,27 @@ def _plan_from_own_environment(
     """The plan for a task launched from a pod: the pod's own environment plus the extras."""
     from kinetic_prefect.common.storage import read_uri
 
-    spec = json.loads((Path(shipped["directory"]) / ENV_SPEC_FILE).read_text())
-    added = accelerator_extras(accelerator, spec["pins"], extras)
-    pins = spec["pins"]
+    spec_path = Path(shipped["directory"]) / ENV_SPEC_FILE
+    spec = EnvironmentSpec.decode(spec_path.read_bytes(), str(spec_path))
+    added = accelerator_extras(accelerator, spec.pins, extras)
+    pins = spec.pins
     if added:
-        pins = resolve([*spec["pins"], *added], [], spec["python"], spec["platform"], index_url)
+        pins = resolve([*spec.pins, *added], [], spec.python, spec.platform, index_url)
     prefix = shipped["archive"].rpartition("/")[0]
     wheels = []
-    for wheel in spec["wheels"]:
-        path = cache_dir() / "wheels" / wheel["sha256"] / wheel["name"]
+    for wheel in spec.wheels:
+        path = cache_dir() / "wheels" / wheel.sha256 / wheel.name
         if not path.is_file():
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(read_uri(f"{prefix}/wheels/{wheel['name']}"))
-        wheels.append(LocalWheel(wheel["name"], path, wheel["sha256"]))
+            path.write_bytes(read_uri(f"{prefix}/wheels/{wheel.name}"))
+        wheels.append(LocalWheel(wheel.name, path, wheel.sha256))
     return EnvironmentPlan(
-        key=_key(spec["python"], spec["platform"], pins, wheels),
-        python=spec["python"],
-        platform=spec["platform"],
+        key=_key(spec.python, spec.platform, pins, wheels),
+        python=spec.python,
+        platform=spec.platform,
         pins=tuple(pins),
         wheels=tuple(wheels),
-        index_url=index_url or spec.get("index_url"),
+        index_url=index_url or spec.index_url,
         requirements_source=f"this pod's environment {shipped['key']}",
         extras=tuple(added),
     )
@@ -501,16 +509,14 @@ def env_key(key: str, name: str) -> str:
 
 def stored_environment(store: JobsStore, key: str) -> ShippedEnvironment | None:
     """The environment `key` if its marker is in the store (one read)."""
+    marker_key = env_key(key, MARKER_FILE)
     try:
-        marker = json.loads(store.get_bytes(env_key(key, MARKER_FILE)))
+        data = store.get_bytes(marker_key)
     except FileNotFoundError:
         return None
+    marker = EnvironmentMarker.decode(data, store.uri(marker_key))
     return ShippedEnvironment(
-        key,
-        store.uri(env_key(key, ARCHIVE_FILE)),
-        marker["sha256"],
-        marker.get("size", 0),
-        marker.get("files", 0),
+        key, store.uri(env_key(key, ARCHIVE_FILE)), marker.sha256, marker.size, marker.files
     )
 
 
@@ -564,15 +570,13 @@ def publish_archive(
     key: str, store: JobsStore, archive: Path, manifest_bytes: bytes
 ) -> ShippedEnvironment:
     """Upload a built environment's archive and manifest, then its marker (it is ready)."""
-    manifest = json.loads(manifest_bytes)
+    manifest = EnvironmentManifest.decode(manifest_bytes, str(archive.with_name(MANIFEST_FILE)))
     with open(archive, "rb") as stream:
         archive_uri = store.put_stream(env_key(key, ARCHIVE_FILE), stream, archive.stat().st_size)
     store.put_bytes(env_key(key, MANIFEST_FILE), manifest_bytes)
-    marker = {k: manifest[k] for k in ("sha256", "size", "files")}
-    store.put_bytes(env_key(key, MARKER_FILE), json.dumps(marker).encode())
-    return ShippedEnvironment(
-        key, archive_uri, manifest["sha256"], manifest["size"], manifest["files"]
-    )
+    marker = EnvironmentMarker(sha256=manifest.sha256, size=manifest.size, files=manifest.files)
+    store.put_bytes(env_key(key, MARKER_FILE), marker.encode())
+    return ShippedEnvironment(key, archive_uri, manifest.sha256, manifest.size, manifest.files)
 
 
 ClusterBuilder = Callable[[EnvironmentPlan, str, str], None]

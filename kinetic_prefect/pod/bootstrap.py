@@ -78,6 +78,36 @@ DEFAULT_CACHE = "/tmp/kinetic-env"
 UNPACKED_MARKER = ".kinetic-env-ready"
 # Inside the environment: the spec it was built from (a flow pod plans its tasks' from it).
 ENV_SPEC_FILE = "kinetic-environment.json"
+# The records this file writes and reads, as the models of `kinetic_prefect.common.records`
+# and `kinetic_prefect.common.environment_records` define them (kind, version, fields).
+FINAL_STATE_KIND = "final-state"
+FINAL_STATE_VERSION = 1
+FINAL_STATE_FIELDS = (
+    "status", "phase", "error_type", "message", "traceback", "state_type", "state_name",
+    "versions", "timings", "state_pickle", "result_storage_key", "result_sha256",
+    "result_record", "next_job", "signature",
+)  # fmt: skip
+SPEC_KIND = "environment-spec"
+SPEC_VERSION = 3
+SPEC_FIELDS_READ = ("key", "python", "platform", "pins", "wheels", "index_url")
+WHEEL_FIELDS = ("name", "sha256")
+MANIFEST_KIND = "environment-manifest"
+MANIFEST_VERSION = 1
+MANIFEST_FIELDS = (
+    "key", "sha256", "size", "files", "python", "platform", "pins", "wheels",
+    "install_seconds", "pack_seconds", "built_by",
+)  # fmt: skip
+MARKER_KIND = "environment-marker"
+MARKER_VERSION = 1
+MARKER_FIELDS = ("sha256", "size", "files")
+
+
+def new_record(kind: str, version: int, fields: tuple[str, ...], **values: object) -> dict:
+    """A record as the models define it: its kind, its version and exactly its fields."""
+    if set(values) != set(fields):
+        raise ValueError(f"a {kind} record has fields {sorted(fields)}, not {sorted(values)}")
+    return {"kind": kind, "version": version, **values}
+
 
 # The metadata server, named as google-auth names it: `GCE_METADATA_HOST`, then its older
 # name `GCE_METADATA_ROOT`, else the host every GKE and Compute Engine pod resolves.
@@ -699,7 +729,7 @@ def start_module(environment: Path, module: str, args: list[str]) -> None:
 
 def record_failure(job_dir: str, message: str, error: BaseException) -> None:
     """Leave the phase failure in the job directory, as the pod runtime's phases do."""
-    record: dict[str, object] = {
+    fields: dict[str, object] = {
         "status": STATUS_PHASE_FAILED,
         "phase": PHASE,
         "error_type": type(error).__name__,
@@ -715,13 +745,16 @@ def record_failure(job_dir: str, message: str, error: BaseException) -> None:
         "result_record": None,
         "next_job": None,
     }
+    unsigned = {"kind": FINAL_STATE_KIND, "version": FINAL_STATE_VERSION, **fields}
     key = os.environ.get(SIGNING_KEY_ENV)
     signature = None
     if key:
-        signed = json.dumps(record, sort_keys=True).encode()
+        signed = json.dumps(unsigned, sort_keys=True).encode()
         signature = hmac.new(key.encode(), signed, hashlib.sha256).hexdigest()
-    record["signature"] = signature
-    upload(json.dumps(record, indent=1).encode(), f"{job_dir.rstrip('/')}/{FINAL_STATE_JSON}")
+    record = new_record(
+        FINAL_STATE_KIND, FINAL_STATE_VERSION, FINAL_STATE_FIELDS, **fields, signature=signature
+    )
+    upload(json.dumps(record, sort_keys=True).encode(), f"{job_dir.rstrip('/')}/{FINAL_STATE_JSON}")
 
 
 def _fail(options: argparse.Namespace, exc: BaseException) -> int:
@@ -844,12 +877,18 @@ def build(options: argparse.Namespace) -> int:
 def _build(options: argparse.Namespace, work: Path) -> int:
     spec_uri = options.spec
     spec = json.loads(read_text(spec_uri))
+    if (spec.get("kind"), spec.get("version")) != (SPEC_KIND, SPEC_VERSION):
+        raise EnvironmentFailure(
+            f"{spec_uri} is a {spec.get('kind')!r} record of version {spec.get('version')!r}, "
+            f"not a {SPEC_KIND!r} record of version {SPEC_VERSION}: the orchestrator's "
+            "kinetic-prefect is not this builder's version"
+        )
     source = spec_uri.rpartition("/")[0]
     destination = (options.upload or "").rstrip("/")
     work.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     wheels = []
-    for wheel in spec.get("wheels", []):
+    for wheel in spec["wheels"]:
         path = work / "wheels" / wheel["name"]
         path.parent.mkdir(exist_ok=True)
         if download(f"{source}/wheels/{wheel['name']}", path) != wheel["sha256"]:
@@ -862,24 +901,30 @@ def _build(options: argparse.Namespace, work: Path) -> int:
     installed = time.monotonic()
     archive = work / ARCHIVE_FILE
     sha256, files = pack(target, archive)
-    manifest = {
-        "key": spec["key"],
-        "sha256": sha256,
-        "size": archive.stat().st_size,
-        "files": files,
-        "python": spec["python"],
-        "platform": spec["platform"],
-        "pins": spec["pins"],
-        "wheels": spec.get("wheels", []),
-        "install_seconds": round(installed - started, 2),
-        "pack_seconds": round(time.monotonic() - installed, 2),
-        "built_by": options.built_by,
-    }
+    manifest = new_record(
+        MANIFEST_KIND,
+        MANIFEST_VERSION,
+        MANIFEST_FIELDS,
+        key=spec["key"],
+        sha256=sha256,
+        size=archive.stat().st_size,
+        files=files,
+        python=spec["python"],
+        platform=spec["platform"],
+        pins=spec["pins"],
+        wheels=[{name: wheel[name] for name in WHEEL_FIELDS} for wheel in spec["wheels"]],
+        install_seconds=round(installed - started, 2),
+        pack_seconds=round(time.monotonic() - installed, 2),
+        built_by=options.built_by,
+    )
     (work / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
     if destination:
         upload(archive, f"{destination}/{ARCHIVE_FILE}")
         upload(json.dumps(manifest, indent=1).encode(), f"{destination}/{MANIFEST_FILE}")
-        marker = {"sha256": sha256, "size": manifest["size"], "files": files}
+        marker = new_record(
+            MARKER_KIND, MARKER_VERSION, MARKER_FIELDS,
+            sha256=sha256, size=manifest["size"], files=files,
+        )  # fmt: skip
         upload(json.dumps(marker).encode(), f"{destination}/{MARKER_FILE}")
     sys.stderr.write(
         f"kinetic-prefect builder: environment {spec['key'][:12]}: {files} files, "

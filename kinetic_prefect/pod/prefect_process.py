@@ -196,7 +196,7 @@ def _direct_class(base: type) -> Any:
         metadata = None
         if context is not None:
             seal = result_seal(context.task_run, str(self._block_document_id), path, sha256)
-            metadata = {SEAL_METADATA_KEY: seal.to_json().decode()}
+            metadata = {SEAL_METADATA_KEY: seal.encode().decode()}
         small = content if len(content) <= INLINE_RESULT_BYTES else None
         _WRITTEN[store.put_bytes(resolved, content, metadata)] = (sha256, small)
         return str(resolved)

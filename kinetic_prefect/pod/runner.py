@@ -112,7 +112,7 @@ class PodRun:
         key = os.environ.get(SIGNING_KEY_ENV)
         if key:
             record.sign(key)
-        storage.write_uri(f"{self.job_dir}/{FINAL_STATE_JSON}", record.to_json())
+        storage.write_uri(f"{self.job_dir}/{FINAL_STATE_JSON}", record.encode())
 
     def write_result_seal(self, reference: Any, sha256: str) -> None:
         """The signed digest of a persisted result record, for later cache hits on it
@@ -124,7 +124,7 @@ class PodRun:
             sha256,
         )
         where = layout.result_seal_key(seal.storage_block_id, seal.storage_key)
-        storage.write_uri(f"{layout.store_root_of(self.job_dir)}/{where}", seal.to_json())
+        storage.write_uri(f"{layout.store_root_of(self.job_dir)}/{where}", seal.encode())
 
 
 def parse_args(argv: list[str] | None) -> PodRun:

@@ -88,7 +88,9 @@ class WarmLoop:
 
     def _next_batch(self, data: bytes) -> Assignment:
         """The first task of the batch just read; the rest are kept for later."""
-        first, *self.batch = batch_from_json(data)
+        first, *self.batch = batch_from_json(
+            data, f"{self.warm_dir}/{assignment_name(self.sequence + 1)}"
+        )
         self.sequence += 1
         return first
 

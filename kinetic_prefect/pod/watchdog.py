@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from kinetic_prefect.common.env import (
     FLOW_RUN_ID_ENV,
@@ -27,7 +28,9 @@ from kinetic_prefect.common.env import (
     SIGNING_KEY_ENV,
 )
 from kinetic_prefect.common.intervals import Intervals
-from kinetic_prefect.common.lease import LeaseWatch
+
+if TYPE_CHECKING:
+    from kinetic_prefect.common.lease import LeaseWatch
 
 
 def _read_lease(uri: str) -> bytes | None:
@@ -91,17 +94,23 @@ def start_watchdog(look_seconds: float) -> None:
         return
     timeout = float(os.environ.get(ORPHAN_TIMEOUT_ENV, "300"))
     since = float(os.environ.get(LEASE_SINCE_ENV) or time.time())
-    watch = LeaseWatch(
-        os.environ.get(SIGNING_KEY_ENV, ""),
-        os.environ.get(FLOW_RUN_ID_ENV) or "no-flow-run",
-        since,
-    )
+    key = os.environ.get(SIGNING_KEY_ENV, "")
+    flow_run_id = os.environ.get(FLOW_RUN_ID_ENV) or "no-flow-run"
     every = min(max(timeout / 4, 0.5), look_seconds)
 
     def run() -> None:
+        watch: LeaseWatch | None = None
         while True:
             time.sleep(every)
-            reason = orphan_reason(watch, _read_lease(lease_uri), timeout, time.time())
+            lease, now = _read_lease(lease_uri), time.time()
+            if watch is None:
+                # Imported once the first lease is in hand: its model costs pydantic's
+                # import, which a bare pod (one that has not imported Prefect yet) would
+                # otherwise pay before its first look.
+                from kinetic_prefect.common.lease import LeaseWatch
+
+                watch = LeaseWatch(key, flow_run_id, since, lease_uri)
+            reason = orphan_reason(watch, lease, timeout, now)
             if reason:
                 _end_pod(reason)
                 return

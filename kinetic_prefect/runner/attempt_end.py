@@ -29,6 +29,7 @@ from kinetic_prefect.errors import (
     PodCrashedError,
     PodPhaseError,
     PodStartError,
+    RecordError,
     RemoteTraceback,
     TamperedRecordError,
     TamperedResultError,
@@ -117,11 +118,19 @@ def read_attempt_end(
     record_key = f"{prefix}/{FINAL_STATE_JSON}"
     try:
         data = outcome.final_record
-        record = FinalRecord.from_json(data if data is not None else store.get_bytes(record_key))
+        data = data if data is not None else store.get_bytes(record_key)
     except FileNotFoundError:
         return AttemptEnd(state_without_record(job_id, outcome), reported_by_pod=False)
-    if not record.signed_by(signing_key):
-        return _tampered(job_id, f"{FINAL_STATE_JSON} does not carry this runner's signature")
+    source = store.uri(record_key)
+    try:
+        record = FinalRecord.decode(data, source)
+    except RecordError as exc:
+        message = f"The final-state record of pod {job_id} cannot be read: {exc}"
+        return AttemptEnd(Failed(message=message, data=exc), False)
+    try:
+        record.verify(signing_key, source)
+    except RecordError as exc:
+        return _tampered(job_id, str(exc))
     if record.status == STATUS_PHASE_FAILED:
         error = PodPhaseError(
             record.message or f"Failed during {record.phase}",

@@ -101,7 +101,7 @@ class Lease:
                 ending=self._ending,
             )
             record.sign(self._signing_key)
-            self.store.put_bytes(self.key, record.to_json())
+            self.store.put_bytes(self.key, record.encode())
             return record.renewed_at
 
     def mark_ending(self, ending: str) -> None:

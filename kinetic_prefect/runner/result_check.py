@@ -104,13 +104,17 @@ def cached_state(
             raise denied from exc
         return None  # no record under the key: no cache hit
     try:
-        seal = ResultSeal.from_json(
-            stored.seal or jobs_store.get_bytes(layout.result_seal_key(str(block_id), key))
+        seal_key = layout.result_seal_key(str(block_id), key)
+        seal = ResultSeal.decode(
+            stored.seal or jobs_store.get_bytes(seal_key),
+            f"the seal of {stored.location}" if stored.seal else jobs_store.uri(seal_key),
         )
-    except Exception:
+    except Exception as exc:
         logger.warning(
-            "The cached result record %s has no seal from a kinetic pod; running the task again",
+            "The cached result record %s has no seal from a kinetic pod (%s); running the task "
+            "again",
             stored.location,
+            exc,
         )
         return None
     if not (

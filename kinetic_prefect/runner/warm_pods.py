@@ -288,7 +288,8 @@ def took_task(pod: WarmPod, job_id: str, before: str | None = None) -> bool:
             previous = pod.store.get_bytes(layout.job_file(before, FINAL_STATE_JSON))
         except FileNotFoundError:
             return False
-        return FinalRecord.from_json(previous).next_job == job_id
+        source = pod.store.uri(layout.job_file(before, FINAL_STATE_JSON))
+        return FinalRecord.decode(previous, source).next_job == job_id
     except Exception:
         logger.warning(
             "Could not tell whether warm pod %s took its task; its end counts as the task's",
@@ -717,7 +718,7 @@ class WarmPods:
         """The task's final record is there (`data`): resolve it; the pod idles unless it ends."""
         launch = placement.launch
         try:
-            record = FinalRecord.from_json(data)
+            record = FinalRecord.decode(data, f"the final record of job {launch.job_id}")
             stays = record.status != STATUS_PHASE_FAILED and record.state_type != "CRASHED"
             took_next = record.next_job
         except Exception:

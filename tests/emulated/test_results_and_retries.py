@@ -434,7 +434,7 @@ def test_a_result_record_replaced_after_the_pod_wrote_it_is_refused_naming_it_ne
     job_id, task_run_id, metadata, attempt_end = _submitted_once(runner, task, store)
 
     assert attempt_end().result() == bytes([2]) * len(attempt_end().result())
-    record = FinalRecord.from_json(store.get_bytes(f"kinetic/{job_id}/{FINAL_STATE_JSON}"))
+    record = FinalRecord.decode(store.get_bytes(f"kinetic/{job_id}/{FINAL_STATE_JSON}"), job_id)
     assert record.result_storage_key == metadata.storage_key
     assert record.result_record is None  # too large to travel in the record: read from storage
 

@@ -120,7 +120,7 @@ def _signed_attempt(store: JobsStore, key: str, state_bytes: bytes) -> None:
     record = FinalRecord(status="finished", state_type="COMPLETED")
     record.carry_state(state_bytes)
     record.sign(key)
-    store.put_bytes(f"kinetic/{VICTIM}/{FINAL_STATE_JSON}", record.to_json())
+    store.put_bytes(f"kinetic/{VICTIM}/{FINAL_STATE_JSON}", record.encode())
 
 
 class _WritesMarkerWhenUnpickled:
@@ -156,9 +156,9 @@ def test_a_final_state_pickle_rewritten_after_the_pod_signed_it_is_never_unpickl
     _signed_attempt(jobs_store, "runner-key", cloudpickle.dumps({"state": Completed(data=1)}))
     marker = workdir / "unpickled"
     key = f"kinetic/{VICTIM}/{FINAL_STATE_JSON}"
-    record = FinalRecord.from_json(jobs_store.get_bytes(key))
+    record = FinalRecord.decode(jobs_store.get_bytes(key), key)
     record.carry_state(cloudpickle.dumps({"state": _WritesMarkerWhenUnpickled(str(marker))}))
-    jobs_store.put_bytes(key, record.to_json())
+    jobs_store.put_bytes(key, record.encode())
 
     _assert_refused_unread(jobs_store, marker)
 

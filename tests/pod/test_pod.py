@@ -53,7 +53,9 @@ def _run_pod(
         capture_output=True,
         timeout=120,
     )
-    return result.returncode, FinalRecord.from_json((job_dir / "final-state.json").read_bytes())
+    return result.returncode, FinalRecord.decode(
+        (job_dir / "final-state.json").read_bytes(), str(job_dir)
+    )
 
 
 def _zip(entries: dict[str, bytes]) -> bytes:
@@ -102,7 +104,7 @@ def test_unreadable_payload_fails_in_the_download_phase(tmp_path: Path):
     result = subprocess.run(
         _pod_command(job_dir, "0" * 64, "0" * 64), capture_output=True, timeout=120
     )
-    record = FinalRecord.from_json((job_dir / "final-state.json").read_bytes())
+    record = FinalRecord.decode((job_dir / "final-state.json").read_bytes(), str(job_dir))
 
     assert (result.returncode, record.phase) == (2, "download")
     assert "Failed during download" in result.stderr.decode()

@@ -64,7 +64,15 @@ def test_an_assignment_written_late_in_the_idle_time_is_found_before_the_pod_end
     tmp_path: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch
 ):
     loop, looks = _counting_loop(tmp_path, 60.0, monkeypatch)
-    task = Assignment("kp-job", "run", "gs://b/kinetic/kp-job", "", "", "", "")
+    task = Assignment(
+        job_id="kp-job",
+        task_run_id="run",
+        job_dir="gs://b/kinetic/kp-job",
+        payload="",
+        payload_sha256="",
+        context="",
+        context_sha256="",
+    )
     name = assignment_name(1)
     clock.due.append((59.5, lambda: (tmp_path / name).write_bytes(batch_to_json([task]))))
 

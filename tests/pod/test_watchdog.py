@@ -73,7 +73,7 @@ class Pod:
         os.mkfifo(fresh)
         fresh.replace(self.lease)
         with os.fdopen(opened, "wb") as pipe:
-            pipe.write(record.to_json())
+            pipe.write(record.encode())
         self.looks += 1
         return True
 
@@ -112,7 +112,13 @@ def watchdog_pod(tmp_path: Path, timeout: float, **env: str) -> Iterator[Pod]:
 
 
 def lease(key: str = KEY, ending: str | None = None, age: float = 0.0) -> LeaseRecord:
-    record = LeaseRecord(FLOW_RUN_ID, time.time() - age, 1, "runner", ending)
+    record = LeaseRecord(
+        flow_run_id=FLOW_RUN_ID,
+        renewed_at=time.time() - age,
+        sequence=1,
+        writer="runner",
+        ending=ending,
+    )
     record.sign(key)
     return record
 

@@ -30,6 +30,7 @@ from importlib import metadata
 from pathlib import Path
 
 import kinetic_prefect
+from kinetic_prefect.common.environment_records import EnvironmentManifest
 from kinetic_prefect.common.storage import JobsStore
 from kinetic_prefect.launch.environment import (
     ARCHIVE_FILE,
@@ -138,15 +139,17 @@ def publish_thin_environment(
             os.utime(path, (_MTIME, _MTIME), follow_symlinks=False)
         archive = Path(scratch) / ARCHIVE_FILE
         sha256, files = bootstrap.pack(target, archive)
-        manifest = {
-            "key": plan.key,
-            "sha256": sha256,
-            "size": archive.stat().st_size,
-            "files": files,
-            "python": plan.python,
-            "platform": plan.platform,
-            "pins": list(plan.pins),
-            "wheels": plan.spec()["wheels"],
-            "built_by": BUILT_BY,
-        }
-        return publish_archive(plan.key, store, archive, json.dumps(manifest, indent=1).encode())
+        manifest = EnvironmentManifest(
+            key=plan.key,
+            sha256=sha256,
+            size=archive.stat().st_size,
+            files=files,
+            python=plan.python,
+            platform=plan.platform,
+            pins=list(plan.pins),
+            wheels=plan.spec()["wheels"],
+            install_seconds=0.0,
+            pack_seconds=0.0,
+            built_by=BUILT_BY,
+        )
+        return publish_archive(plan.key, store, archive, manifest.encode())

@@ -61,7 +61,9 @@ def test_a_records_signature_made_by_the_bootstrap_verifies_with_the_package(
 ) -> None:
     monkeypatch.setenv(common_env.SIGNING_KEY_ENV, "k" * 32)
     bootstrap.record_failure(str(tmp_path), "Failed during environment: no", ValueError("no"))
-    record = records.FinalRecord.from_json((tmp_path / FINAL_STATE_JSON).read_bytes())
+    record = records.FinalRecord.decode(
+        (tmp_path / FINAL_STATE_JSON).read_bytes(), FINAL_STATE_JSON
+    )
     assert record.signed_by("k" * 32)
     assert (record.status, record.phase) == (records.STATUS_PHASE_FAILED, "environment")
 

@@ -29,9 +29,15 @@ def lease(
     flow_run_id: str = FLOW_RUN,
     sequence: int = 1,
 ) -> bytes:
-    record = LeaseRecord(flow_run_id, renewed_at, sequence, "runner", ending)
+    record = LeaseRecord(
+        flow_run_id=flow_run_id,
+        renewed_at=renewed_at,
+        sequence=sequence,
+        writer="runner",
+        ending=ending,
+    )
     record.sign(key)
-    return record.to_json()
+    return record.encode()
 
 
 GONE = None

@@ -293,7 +293,7 @@ def test_deployed_sweep_runs_in_a_flow_pod_whose_tasks_run_in_pods_of_their_own(
         task_jobs = [pod_job_id(client, task_run.id) for task_run in task_runs]
 
     records = [
-        FinalRecord.from_json((stack.jobs_root / "kinetic" / job / FINAL_STATE_JSON).read_bytes())
+        FinalRecord.decode((stack.jobs_root / "kinetic" / job / FINAL_STATE_JSON).read_bytes(), job)
         for job in task_jobs
     ]
     assert final.is_completed(), final.message

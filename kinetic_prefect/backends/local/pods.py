@@ -1,7 +1,7 @@
 """What the local backend records of each pod, for tools that were not there when it ran.
 
 A local pod has no API object, so the backend keeps one small JSON record per
-pod next to its log, `{pods}/{job_id}.json`: the Job's labels, when it was
+pod next to its log, `{pods}/{job_id}.json` (a `LocalPodRecord`): the Job's labels, when it was
 launched, the process id and start time once it runs, and its exit code and
 end time once it has ended. It also names its watcher: the process that reaps
 the pod and writes its last log line and its end. `kinetic-prefect jobs logs -f` and `jobs attach`
@@ -12,16 +12,46 @@ restarted flow process reads them to find its flow run's pods that still run.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import select
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from prefect.logging import get_logger
+from pydantic import Field
+
+from kinetic_prefect.common.contract import Record
+from kinetic_prefect.errors import RecordError
 
 RECORD_SUFFIX = ".json"
+
+logger = get_logger("kinetic_prefect.backends.local")
+
+
+class LocalPodRecord(Record):
+    """`{pods}/{job_id}.json`: what the local backend knows of one pod.
+
+    `pid`, `pid_start` and `started_at` are added once the pod runs; `ended`,
+    `exit_code` and `ended_at` once it has ended. `watcher` and `watcher_start`
+    name the process that reaps it.
+    """
+
+    kind: Literal["local-pod"] = "local-pod"
+    version: int = 1
+    job_id: str
+    labels: dict[str, str] = Field(default_factory=dict)
+    launched_at: float
+    watcher: int | None = None
+    watcher_start: int | None = None
+    pid: int | None = None
+    pid_start: int | None = None
+    started_at: float | None = None
+    ended: bool = False
+    exit_code: int | None = None
+    ended_at: float | None = None
 
 
 def local_pods_dir(jobs_root: str) -> Path:
@@ -31,18 +61,19 @@ def local_pods_dir(jobs_root: str) -> Path:
     return Path(jobs_root) / "pods"
 
 
-def _write(path: Path, record: Mapping[str, Any]) -> None:
+def _write(path: Path, record: LocalPodRecord) -> None:
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.write_text(json.dumps(record))
+    temporary.write_bytes(record.encode())
     os.replace(temporary, path)
 
 
-def _read(path: Path) -> dict[str, Any] | None:
+def _read(path: Path) -> LocalPodRecord | None:
+    """The record at `path`; None when there is none. `RecordError` if it is not one."""
     try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError):
+        data = path.read_bytes()
+    except OSError:
         return None
-    return record if isinstance(record, dict) else None
+    return LocalPodRecord.decode(data, str(path))
 
 
 def watched_here() -> dict[str, Any]:
@@ -53,15 +84,13 @@ def watched_here() -> dict[str, Any]:
 def record_launch(pods: Path, manifest: Mapping[str, Any]) -> None:
     """Record a pod the backend accepted (queued, not yet running), watched by this process."""
     meta = manifest["metadata"]
-    _write(
-        pods / f"{meta['name']}{RECORD_SUFFIX}",
-        {
-            "job_id": meta["name"],
-            "labels": dict(meta.get("labels") or {}),
-            "launched_at": time.time(),
-            **watched_here(),
-        },
+    record = LocalPodRecord(
+        job_id=meta["name"],
+        labels=dict(meta.get("labels") or {}),
+        launched_at=time.time(),
+        **watched_here(),
     )
+    _write(pods / f"{meta['name']}{RECORD_SUFFIX}", record)
 
 
 def record_update(pods: Path, job_id: str, **fields: Any) -> None:
@@ -69,7 +98,7 @@ def record_update(pods: Path, job_id: str, **fields: Any) -> None:
     path = pods / f"{job_id}{RECORD_SUFFIX}"
     record = _read(path)
     if record is not None:
-        _write(path, {**record, **fields})
+        _write(path, LocalPodRecord.from_fields({**record.fields(), **fields}, str(path)))
 
 
 def process_start_ticks(pid: int) -> int | None:
@@ -153,15 +182,15 @@ def read_pod(pods: Path, job_id: str) -> LocalPod | None:
         return None
     return LocalPod(
         job_id=job_id,
-        labels=dict(record.get("labels") or {}),
-        launched_at=float(record.get("launched_at") or 0.0),
-        pid=record.get("pid"),
-        ended=bool(record.get("ended")),
-        exit_code=record.get("exit_code"),
+        labels=record.labels,
+        launched_at=record.launched_at,
+        pid=record.pid,
+        ended=record.ended,
+        exit_code=record.exit_code,
         log_path=pods / f"{job_id}.log",
-        pid_start=record.get("pid_start"),
-        watcher=record.get("watcher"),
-        watcher_start=record.get("watcher_start"),
+        pid_start=record.pid_start,
+        watcher=record.watcher,
+        watcher_start=record.watcher_start,
     )
 
 
@@ -169,7 +198,11 @@ def pods_labelled(pods: Path, key: str, value: str) -> list[LocalPod]:
     """The recorded pods whose label `key` is `value`, newest first."""
     found = []
     for path in pods.glob(f"*{RECORD_SUFFIX}") if pods.is_dir() else []:
-        pod = read_pod(pods, path.name.removesuffix(RECORD_SUFFIX))
+        try:
+            pod = read_pod(pods, path.name.removesuffix(RECORD_SUFFIX))
+        except RecordError as exc:
+            logger.warning("Skipping a local pod record: %s", exc)
+            continue
         if pod is not None and pod.labels.get(key) == value:
             found.append(pod)
     return sorted(found, key=lambda p: p.launched_at, reverse=True)
