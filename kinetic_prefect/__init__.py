@@ -43,8 +43,8 @@ _LAZY = {
     "output_dir": "kinetic_prefect.outputs.checkpoint",
     "checkpoint_manager": "kinetic_prefect.outputs.checkpoint",
     "Checkpoint": "kinetic_prefect.outputs.checkpoint",
-    "KineticCluster": "kinetic_prefect.blocks",
-    "KineticGcpCredentials": "kinetic_prefect.blocks",
+    "KineticCluster": "kinetic_prefect.blocks.cluster",
+    "KineticGcpCredentials": "kinetic_prefect.blocks.credentials",
 }
 
 

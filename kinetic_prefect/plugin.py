@@ -13,8 +13,8 @@ from prefect.workers.base import BaseWorker
 from kinetic_prefect.common.prefect_registry import register_deferred
 
 BLOCK_TYPES = {
-    "kinetic-cluster": "kinetic_prefect.blocks",
-    "kinetic-gcp-credentials": "kinetic_prefect.blocks",
+    "kinetic-cluster": "kinetic_prefect.blocks.cluster",
+    "kinetic-gcp-credentials": "kinetic_prefect.blocks.credentials",
 }
 WORKER_TYPES = {"kinetic": "kinetic_prefect.worker.worker"}
 

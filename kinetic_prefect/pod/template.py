@@ -32,15 +32,15 @@ from kinetic_prefect.pod.exit import FastExit
 # own exit handlers run first, this one last.
 fast_exit = FastExit()
 
-# What every pod imports before its task runs, and kinetic-prefect's blocks: a task
+# What every pod imports before its task runs, and the credentials block: a task
 # whose results go to GCS carries a `GcsBucket` with `KineticGcpCredentials`, and
-# unpickling it imports prefect-gcp and prefect-kubernetes (about a second of CPU).
+# unpickling it imports prefect-gcp (about half a second of CPU).
 PRELOADED = (
     "cloudpickle",
     "prefect",
     "prefect.task_engine",
     "kinetic_prefect.pod.entrypoint",
-    "kinetic_prefect.blocks",
+    "kinetic_prefect.blocks.credentials",
 )
 _MAX_MESSAGE = 1 << 20
 

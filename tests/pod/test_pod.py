@@ -167,3 +167,26 @@ def test_the_jax_import_watch_names_the_phase_file_and_line_that_imported_jax(tm
     )
 
     assert f"during the pod's unpickle phase, at {tmp_path / 'trains.py'}:2" in result.stdout
+
+
+def test_result_storage_on_gcs_unpickles_in_a_pod_without_prefect_kubernetes():
+    """A pod whose task's results go to GCS unpickles a `GcsBucket` holding
+    `KineticGcpCredentials`; only `KineticCluster` needs prefect-kubernetes (about half
+    a second of CPU per pod)."""
+    from prefect_gcp.cloud_storage import GcsBucket
+
+    from kinetic_prefect.blocks import KineticGcpCredentials
+
+    storage = GcsBucket(bucket="results", gcp_credentials=KineticGcpCredentials())
+    payload = cloudpickle.dumps(storage)
+    script = (
+        "import sys, cloudpickle\n"
+        "storage = cloudpickle.loads(sys.stdin.buffer.read())\n"
+        "print(type(storage.gcp_credentials).__module__)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'prefect_kubernetes'))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], input=payload, capture_output=True, check=True
+    )
+
+    assert result.stdout.decode().split("\n")[:2] == ["kinetic_prefect.blocks.credentials", "[]"]

@@ -1,0 +1,31 @@
+"""Prefect blocks: `KineticCluster` and the GCS credentials that work with the emulator.
+
+Each block type is a module of its own, imported on first use: a pod unpickling a
+`GcsBucket` that holds `KineticGcpCredentials` imports `blocks.credentials` only, not
+prefect-kubernetes, which `KineticCluster` (`blocks.cluster`) needs. The
+`prefect.collections` entry point (`kinetic_prefect.plugin`) names both types, so every
+Prefect process knows them without any import in user code.
+"""
+
+from typing import Any
+
+__all__ = ["KineticCluster", "KineticGcpCredentials", "cluster_settings", "load_cluster"]
+
+_LAZY = {
+    "KineticCluster": "kinetic_prefect.blocks.cluster",
+    "cluster_settings": "kinetic_prefect.blocks.cluster",
+    "load_cluster": "kinetic_prefect.blocks.cluster",
+    "KineticGcpCredentials": "kinetic_prefect.blocks.credentials",
+}
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'kinetic_prefect.blocks' has no attribute {name!r}")
