@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from typing import Any, Literal
 
 from prefect.blocks.core import Block
@@ -12,11 +11,10 @@ from prefect_kubernetes.credentials import KubernetesClusterConfig
 from pydantic import Field
 
 from kinetic_prefect.blocks.credentials import DOCUMENTATION_URL
+from kinetic_prefect.blocks.schema import SchemaOnce
 
-_SCHEMAS: dict[Any, dict[str, Any]] = {}
 
-
-class KineticCluster(Block):
+class KineticCluster(SchemaOnce, Block):
     """Where and how Kinetic pods run: a GKE cluster, or this machine.
 
     Examples:
@@ -49,20 +47,6 @@ class KineticCluster(Block):
     _documentation_url = DOCUMENTATION_URL  # type: ignore[assignment]
     # Pods run on GKE: the block shows the Google Cloud logo prefect-gcp's blocks use.
     _logo_url = GcpCredentials._logo_url
-
-    @classmethod
-    def model_json_schema(cls, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """The block's JSON schema, built once per class and arguments (callers get a copy).
-
-        Prefect builds a block's schema again for each field it serializes (to find its
-        secret fields) and for each checksum, and the schema of `result_storage` lists
-        every storage block class imported so far: saving this block took seconds in a
-        process that had imported many. The schema depends on the class alone.
-        """
-        key = (cls, args, tuple(sorted(kwargs.items())))
-        if key not in _SCHEMAS:
-            _SCHEMAS[key] = super().model_json_schema(*args, **kwargs)
-        return copy.deepcopy(_SCHEMAS[key])
 
     backend: Literal["gke", "local"] = Field(
         default="gke", description="gke: pods are Kubernetes Jobs; local: processes here."

@@ -11,12 +11,13 @@ from typing import Any
 
 from prefect_gcp.credentials import GcpCredentials
 
+from kinetic_prefect.blocks.schema import SchemaOnce
 from kinetic_prefect.common import gcs
 
 DOCUMENTATION_URL = "https://pypi.org/project/kinetic-prefect/"
 
 
-class KineticGcpCredentials(GcpCredentials):
+class KineticGcpCredentials(SchemaOnce, GcpCredentials):
     """GCP credentials whose storage clients retry transient errors and honour the emulator.
 
     With `STORAGE_EMULATOR_HOST` set, credentials are anonymous in every process

@@ -133,16 +133,20 @@ def test_a_cluster_blocks_cpu_memory_and_pod_overrides_are_settings():
     assert settings.pod_overrides == {"priorityClassName": "batch"}
 
 
-def test_the_cluster_blocks_schema_is_prefects_built_once_and_handed_out_as_a_copy():
+@pytest.mark.parametrize("name", ["KineticCluster", "KineticGcpCredentials"])
+def test_a_blocks_schema_is_prefects_built_once_and_handed_out_as_a_copy(name: str):
     from prefect.blocks.core import Block
 
-    from kinetic_prefect.blocks import KineticCluster
+    import kinetic_prefect.blocks
+    from kinetic_prefect.blocks.schema import SchemaOnce
 
-    built = Block.model_json_schema.__func__(KineticCluster)  # type: ignore[attr-defined]
-    first = KineticCluster.model_json_schema()
+    block = getattr(kinetic_prefect.blocks, name)
+    built = Block.model_json_schema.__func__(block)  # type: ignore[attr-defined]
+    first = block.model_json_schema()
     assert first == built
     first["properties"].clear()
-    assert KineticCluster.model_json_schema() == built
+    assert block.model_json_schema() == built
+    assert issubclass(block, SchemaOnce)
 
 
 def test_code_archive_limits_come_from_resources_the_runner_the_block_or_kinetic_variables():

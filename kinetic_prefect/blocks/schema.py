@@ -1,0 +1,27 @@
+"""Block JSON schemas built once per class: Prefect asks for them again and again."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+_SCHEMAS: dict[Any, str] = {}
+
+
+class SchemaOnce:
+    """A block whose `model_json_schema` is built once per class and arguments.
+
+    Prefect builds a block's schema again for each field it serializes (to find its secret
+    fields) and for each checksum, so one `save` of a `KineticCluster` asked for its schema
+    about 120 times, and the schema of its `result_storage` lists every storage block
+    class imported so far: saving one took seconds in a process that had imported many.
+    The schema depends on the class alone. Each caller gets a new copy (Prefect edits
+    them), decoded from the JSON kept here: faster than `copy.deepcopy` of the dict.
+    """
+
+    @classmethod
+    def model_json_schema(cls, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        key = (cls, args, tuple(sorted(kwargs.items())))
+        if key not in _SCHEMAS:
+            _SCHEMAS[key] = json.dumps(super().model_json_schema(*args, **kwargs))  # type: ignore[misc]
+        return json.loads(_SCHEMAS[key])  # type: ignore[no-any-return]
