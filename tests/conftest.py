@@ -43,21 +43,25 @@ from kinetic_prefect.backends.local.backend import LocalBackend
 from tests.support.gcs_iam import IamProxy
 from tests.support.kube import KubeCluster, running_cluster
 from tests.support.prefect_server import migrated_database
-from tests.support.scheduling import SuiteScheduling, slow_first
+from tests.support.scheduling import SuiteScheduling, is_xdist_worker, slow_first
 
 SUITE_INTERVALS: dict[str, float] = json.loads(os.environ["KINETIC_INTERVALS"])
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    if not hasattr(session.config, "workerinput"):  # once a run, before any worker starts
+    if not is_xdist_worker(session.config):  # once a run, before any worker starts
         from tests.support.cache_prune import prune_environment_caches
 
         prune_environment_caches()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist, the longest cases first (tests/support/scheduling.py)."""
-    if config.getvalue("dist") in ("load", "loadgroup"):
+    """Under pytest-xdist, the longest cases first (tests/support/scheduling.py).
+
+    The workers collect and the controller hands out their order; a worker runs with
+    `dist` set to "no" (xdist's remote.py), so it is known by its `workerinput`.
+    """
+    if is_xdist_worker(config):
         slow_first(items)
 
 

@@ -39,6 +39,12 @@ class SuiteScheduling(LoadScopeScheduling):  # type: ignore[misc]
         return module if module.startswith(ONE_WORKER_FOLDERS) else nodeid
 
 
+def is_xdist_worker(config: pytest.Config) -> bool:
+    """Whether this process is a pytest-xdist worker: the workers collect, and the
+    controller hands tests out in the order they collected them."""
+    return hasattr(config, "workerinput")
+
+
 def slow_first(items: list[pytest.Item]) -> None:
     """Reorder `items` in place: `ONE_WORKER_FOLDERS` and `LONGEST`, then `slow`, then the
     rest.

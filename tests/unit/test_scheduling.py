@@ -51,3 +51,22 @@ def test_each_longest_case_named_exists(nodeid: str):
     tests = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
 
     assert nodeid.split("::")[1] in tests
+
+
+class _WorkerConfig:
+    """What a pytest-xdist worker's config shows: `workerinput`, and `dist` set to "no"."""
+
+    workerinput: dict[str, object] = {"workerid": "gw0"}
+
+    def getvalue(self, name: str) -> object:
+        return "no" if name == "dist" else None
+
+
+def test_an_xdist_worker_reorders_what_it_collected():
+    from tests.conftest import pytest_collection_modifyitems
+
+    items = [_Item("tests/unit/test_a.py::test_quick"), _Item(LONGEST[1], slow=True)]
+
+    pytest_collection_modifyitems(_WorkerConfig(), items)  # type: ignore[arg-type]
+
+    assert [item.nodeid for item in items] == [LONGEST[1], "tests/unit/test_a.py::test_quick"]
