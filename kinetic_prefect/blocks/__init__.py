@@ -7,7 +7,11 @@ prefect-kubernetes, which `KineticCluster` (`blocks.cluster`) needs. The
 Prefect process knows them without any import in user code.
 """
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kinetic_prefect.blocks.cluster import KineticCluster, cluster_settings, load_cluster
+    from kinetic_prefect.blocks.credentials import KineticGcpCredentials
 
 __all__ = ["KineticCluster", "KineticGcpCredentials", "cluster_settings", "load_cluster"]
 

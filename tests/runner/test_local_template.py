@@ -77,7 +77,8 @@ def test_a_forked_pod_sees_exactly_the_environment_a_fresh_pod_would(
     assert "kinetic_prefect.pod.template" not in fresh["parent"]
     assert _comparable(forked["env"]) == _comparable(fresh["env"])
     assert TEMPLATE_ENV not in fresh["env"]
-    # Read on import by kubernetes-asyncio, which the template preloads: the pod's own.
+    # Read on import by kubernetes-asyncio (imported in the pod, or re-read if the
+    # template has it): the pod's own.
     for pod in (forked, fresh):
         assert pod["kubeconfig_default"] == pod["env"]["KUBECONFIG"] == str(tmp_path / "kubeconfig")
     assert forked["argv0"] == fresh["argv0"]

@@ -56,7 +56,7 @@ _STARTUP_PREFIXES = (
     "FSSPEC_",
     "PENDULUM_",
     "GRIFFE_",
-    # The libraries of prefect-gcp and prefect-kubernetes (kinetic_prefect.blocks).
+    # The libraries of prefect-gcp and prefect-kubernetes (kinetic_prefect.blocks.*).
     "AIOHTTP_",
     "FROZENLIST_",
     "MULTIDICT_",
