@@ -6,10 +6,12 @@ UV := $(TOOLS)/bin/uv
 VENV := .venv
 # The tests marked `lowest_prefect` also run on the lowest Prefect pyproject.toml allows, in here.
 VENV_LOWEST := .venv-lowest
+# `make test` keeps the lowest-Prefect run's output here until the main suite is done.
+LOWEST_LOG := .test-lowest.log
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export UV_PYTHON_DOWNLOADS := never
 
-.PHONY: demo demo-stop deploy-local worker-local e2e test test-lowest lint bench clean
+.PHONY: demo demo-stop deploy-local worker-local e2e test test-main test-lowest test-lowest-beside lint bench clean
 
 $(UV):
 	$(PYTHON) -m venv $(TOOLS)
@@ -64,20 +66,32 @@ demo-stop: $(VENV)/.synced
 
 # Four pytest workers share the suite (many cases wait on pods and timeouts rather than
 # use a CPU); tests/support/scheduling.py says how: the worker tests on one worker.
-# Then the tests marked `lowest_prefect` (the private-API adapters' tests and the
-# conformance tests) on the lowest Prefect that pyproject.toml allows.
-# A failure, or collecting no test (pytest's exit 5), fails.
-test: $(VENV)/.synced $(VENV_LOWEST)/.synced
+# Beside it, the tests marked `lowest_prefect` (the private-API adapters' tests and the
+# conformance tests) on the lowest Prefect that pyproject.toml allows, with that
+# environment's set-up: about a minute on one core, which the main suite leaves idle
+# while its cases wait. Its output follows the main suite's.
+# A failure in either, or collecting no test (pytest's exit 5), fails.
+test: $(VENV)/.synced $(UV)
 	# The project's own bytecode, once: where PYTHONDONTWRITEBYTECODE is set, every pod and
 	# process would compile the modules it imports from here (about 0.2 s each).
 	$(VENV)/bin/python -m compileall -q kinetic_prefect tests flows blocks deployments
+	@rm -f $(LOWEST_LOG)
+	@$(MAKE) --no-print-directory -j2 test-main test-lowest-beside; status=$$?; \
+		echo "=== make test-lowest (ran beside the main suite) ==="; \
+		cat $(LOWEST_LOG) 2>/dev/null || echo "(no output: it did not start)"; \
+		exit $$status
+
+test-main: $(VENV)/.synced
 	$(VENV)/bin/python -m pytest -n 4 --dist loadgroup
-	$(MAKE) --no-print-directory test-lowest
+
+test-lowest-beside:
+	@$(MAKE) --no-print-directory test-lowest > $(LOWEST_LOG) 2>&1
 
 test-lowest: $(VENV_LOWEST)/.synced
 	$(VENV_LOWEST)/bin/python -c 'import prefect; print("Conformance on prefect", prefect.__version__)'
 	# Two workers: each starts a Prefect server, which costs more here than the tests share.
-	$(VENV_LOWEST)/bin/python -m pytest -n 2 --dist loadgroup -m lowest_prefect
+	$(VENV_LOWEST)/bin/python -m pytest -n 2 --dist loadgroup -m lowest_prefect \
+		-o cache_dir=$(VENV_LOWEST)/.pytest_cache
 
 lint: $(VENV)/.synced
 	$(VENV)/bin/ruff check kinetic_prefect tests flows blocks
