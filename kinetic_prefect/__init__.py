@@ -15,7 +15,18 @@ Example:
     ```
 """
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+from kinetic_prefect.common.lazy import lazy_names
+
+if TYPE_CHECKING:
+    from kinetic_prefect.blocks.cluster import KineticCluster
+    from kinetic_prefect.blocks.credentials import KineticGcpCredentials
+    from kinetic_prefect.data.data import Data
+    from kinetic_prefect.launch.settings import resources
+    from kinetic_prefect.outputs.checkpoint import Checkpoint, checkpoint_manager, output_dir
+    from kinetic_prefect.outputs.reporting import report_progress, summarize_sweep
+    from kinetic_prefect.runner.task_runner import KineticFuture, KineticTaskRunner
 
 __version__ = "0.1.0"
 
@@ -48,15 +59,5 @@ _LAZY = {
 }
 
 
-def __dir__() -> list[str]:
-    # `prefect block register -m kinetic_prefect` finds blocks with dir(): list the lazy names.
-    return sorted({*globals(), *_LAZY})
-
-
-def __getattr__(name: str) -> Any:
-    # Imports are lazy so that `python -m kinetic_prefect.pod` and the CLI start fast.
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'kinetic_prefect' has no attribute {name!r}")
+# Imports are lazy so that `python -m kinetic_prefect.pod` and the CLI start fast.
+__dir__, __getattr__ = lazy_names(__name__, _LAZY)

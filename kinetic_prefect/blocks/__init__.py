@@ -7,7 +7,9 @@ prefect-kubernetes, which `KineticCluster` (`blocks.cluster`) needs. The
 Prefect process knows them without any import in user code.
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kinetic_prefect.common.lazy import lazy_names
 
 if TYPE_CHECKING:
     from kinetic_prefect.blocks.cluster import KineticCluster, cluster_settings, load_cluster
@@ -23,13 +25,4 @@ _LAZY = {
 }
 
 
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'kinetic_prefect.blocks' has no attribute {name!r}")
+__dir__, __getattr__ = lazy_names(__name__, _LAZY)

@@ -135,6 +135,25 @@ def test_the_pod_side_imports_no_kubernetes_client_or_cli():
     assert offending == dict.fromkeys(pod_modules, [])
 
 
+def test_the_gcs_credentials_block_reaches_no_kubernetes_client():
+    """A pod unpickles result storage holding `KineticGcpCredentials`: importing its module
+    (and every module of ours it imports) must not import prefect-kubernetes. The package
+    `__init__`s it passes through import their names lazily (tests/pod checks that at run time)."""
+    edges, reached, todo = _edges(), set(), ["kinetic_prefect.blocks.credentials"]
+    while todo:
+        module = todo.pop()
+        if module not in reached:
+            reached.add(module)
+            todo.extend(edges[module])
+    offending = {
+        m: sorted(n for n in _imports(m) if n.split(".")[0] in POD_FORBIDDEN_THIRD_PARTY)
+        for m in reached
+    }
+
+    assert "kinetic_prefect.blocks.cluster" not in reached
+    assert {m: found for m, found in offending.items() if found} == {}
+
+
 def _private_prefect_uses(module: str) -> list[str]:
     """Prefect names starting with `_` that `module` imports, or reads off a Prefect import."""
     path = SOURCES[module]
