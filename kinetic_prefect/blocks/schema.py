@@ -13,10 +13,9 @@ class SchemaOnce:
 
     Prefect builds a block's schema again for each field it serializes (to find its secret
     fields) and for each checksum, so one `save` of a `KineticCluster` asked for its schema
-    about 120 times, and the schema of its `result_storage` lists every storage block
-    class imported so far: saving one took seconds in a process that had imported many.
-    The schema depends on the class alone. Each caller gets a new copy (Prefect edits
-    them), decoded from the JSON kept here: faster than `copy.deepcopy` of the dict.
+    about 120 times. The schema depends on the class alone (every field has one concrete
+    type). Each caller gets a new copy (Prefect edits them), decoded from the JSON kept
+    here: faster than `copy.deepcopy` of the dict.
     """
 
     @classmethod
