@@ -44,6 +44,7 @@ MACHINES = {
         Machine("g2-standard-4", 4, 16, gpus=1),
         Machine("g2-standard-48", 48, 192, gpus=4),
         Machine("ct5lp-hightpu-4t", 112, 192, tpu_chips=4),
+        Machine("ct5p-hightpu-4t", 208, 448, tpu_chips=4),
     )
 }
 
@@ -105,23 +106,25 @@ class PoolShape:
     taints: tuple[dict[str, str], ...] = ()
 
 
-def _tpu_v5e(topology: str) -> PoolShape:
+def _tpu(machine: str, accelerator: str, topology: str) -> PoolShape:
     return PoolShape(
-        "ct5lp-hightpu-4t",
-        {TPU_ACCELERATOR_LABEL: "tpu-v5-lite-podslice", TPU_TOPOLOGY_LABEL: topology},
+        machine,
+        {TPU_ACCELERATOR_LABEL: accelerator, TPU_TOPOLOGY_LABEL: topology},
         (TPU_TAINT,),
     )
 
 
 # The node pools tests make, by the accelerator their tasks ask for: cpu nodes of the
-# default pool, L4 GPUs on G2 machines (one, or four on a g2-standard-48), and TPU v5e
-# slices of 2x2 (one node, 4 chips) and 4x4 (four nodes of 4 chips).
+# default pool, L4 GPUs on G2 machines (one, or four on a g2-standard-48), TPU v5e
+# slices of 2x2 (one node, 4 chips) and 4x4 (four nodes of 4 chips), and a TPU v5p slice
+# of 2x2x2 (two nodes of 4 chips).
 POOL_SHAPES = {
     "cpu": PoolShape("e2-standard-8"),
     "l4": PoolShape("g2-standard-4", {GPU_LABEL: "nvidia-l4"}, (GPU_TAINT,)),
     "l4x4": PoolShape("g2-standard-48", {GPU_LABEL: "nvidia-l4"}, (GPU_TAINT,)),
-    "tpu-v5e-4": _tpu_v5e("2x2"),
-    "tpu-v5e-16": _tpu_v5e("4x4"),
+    "tpu-v5e-4": _tpu("ct5lp-hightpu-4t", "tpu-v5-lite-podslice", "2x2"),
+    "tpu-v5e-16": _tpu("ct5lp-hightpu-4t", "tpu-v5-lite-podslice", "4x4"),
+    "tpu-v5p-16": _tpu("ct5p-hightpu-4t", "tpu-v5p-slice", "2x2x2"),
 }
 
 
