@@ -22,8 +22,9 @@ from tests.support.gke_machines import (
 from tests.support.kube_objects import gke_nodes, place
 from tests.unit.test_manifest import _spec
 
-# Nodes per slice of each pool shape (Cloud TPU: v5e 4x4 is four hosts of 4 chips).
-HOSTS = {"cpu": 1, "l4": 1, "l4x4": 1, "tpu-v5e-4": 1, "tpu-v5e-16": 4}
+# Nodes per slice of each pool shape (Cloud TPU: v5e 4x4 is four hosts of 4 chips, v5p
+# 2x2x2 two hosts of 4 chips).
+HOSTS = {"cpu": 1, "l4": 1, "l4x4": 1, "tpu-v5e-4": 1, "tpu-v5e-16": 4, "tpu-v5p-16": 2}
 
 
 def _pod_spec(accelerator: str) -> dict:
