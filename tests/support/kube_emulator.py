@@ -17,6 +17,7 @@ create with `dryRun=All` is authorized and admitted and then answered without st
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import copy
 import re
 import time
@@ -39,6 +40,10 @@ PODS = "pods"
 _LOG_PATH = re.compile(r"/api/v1/namespaces/([^/]+)/pods/([^/]+)/log")
 # Far more requests than are ever in flight at once in a test.
 _MATCHING_WINDOW = 64
+# The request this task is serving: the only one kmock's matching asks the views about.
+_SERVING: contextvars.ContextVar[kmock.Request | None] = contextvars.ContextVar(
+    "kp_serving", default=None
+)
 
 
 def _selector_matches(selector: str, labels: dict[str, str]) -> bool:
@@ -212,10 +217,15 @@ class ClusterEmulator(kmock.KubernetesEmulator):
     def __iter__(self) -> Iterator[kmock.Request]:
         # kmock decides which reaction serves a request by asking each reaction's view
         # whether it contains the request, and a view answers by scanning every request
-        # the server has had, oldest first: the N-th request of a test would cost O(N).
-        # Only requests still in flight are ever asked about, so the views see the newest
-        # few, newest first (no view here counts or slices requests); the whole history
-        # stays in `requests`.
+        # the server has had, oldest first, through its filters: the N-th request of a test
+        # would cost O(N) for each reaction it does not match. While a request is served
+        # (`_handle`), the views see that request alone: it is the one asked about, and no
+        # view here counts or slices requests. Elsewhere they see the newest few, newest
+        # first; the whole history stays in `requests`.
+        serving = _SERVING.get()
+        if serving is not None:
+            yield serving
+            return
         yield from reversed(self._requests[-_MATCHING_WINDOW:])
 
     @property
@@ -343,6 +353,13 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         return aiohttp.web.json_response(answer, status=201)
 
     async def _handle(self, request: kmock.Request) -> Any:
+        serving = _SERVING.set(request)
+        try:
+            return await self._serve(request)
+        finally:
+            _SERVING.reset(serving)
+
+    async def _serve(self, request: kmock.Request) -> Any:
         self.arrived_at[request.id] = time.monotonic()
         refusal = self._refusal(request)
         if refusal is not None:
