@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 
@@ -37,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
+import kubernetes_validate.utils
 import pytest
 
 from kinetic_prefect.backends.local.backend import LocalBackend
@@ -44,6 +46,12 @@ from tests.support.gcs_iam import IamProxy
 from tests.support.kube import KubeCluster, running_cluster
 from tests.support.prefect_server import migrated_database
 from tests.support.scheduling import SuiteScheduling, is_xdist_worker, slow_first
+
+# kubernetes-validate reads and decodes its JSON schemas (_definitions.json alone is several
+# MB) on every call; the schemas never change, so each is decoded once per process.
+_schemas = kubernetes_validate.utils
+_schemas.schema_contents = functools.cache(_schemas.schema_contents)
+
 
 SUITE_INTERVALS: dict[str, float] = json.loads(os.environ["KINETIC_INTERVALS"])
 
