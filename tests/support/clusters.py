@@ -8,7 +8,6 @@ per pod) out of their top-level imports; this helper imports them when called.
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,15 +23,13 @@ def schemas_built_once(*classes: Any) -> Iterator[None]:
     and prefect-gcp's `GcsBucket` builds it anew each time (kinetic-prefect's own blocks keep
     theirs: `blocks/schema.SchemaOnce`). What is saved is the same; only the time differs.
     """
-    built: dict[Any, str] = {}
+    from kinetic_prefect.blocks.schema import built_once
+
     real = {cls: cls.model_json_schema for cls in classes}
     own = {cls: cls.__dict__.get("model_json_schema") for cls in classes}
 
     def once(cls: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        key = (cls, args, tuple(sorted(kwargs.items())))
-        if key not in built:
-            built[key] = json.dumps(real[cls](*args, **kwargs))
-        return json.loads(built[key])  # type: ignore[no-any-return]
+        return built_once(cls, real[cls], *args, **kwargs)
 
     for cls in classes:
         cls.model_json_schema = classmethod(once)
