@@ -1,7 +1,8 @@
 """`KineticGcpCredentials`: GCP credentials that work with the GCS emulator.
 
-A module of its own because every pod whose results go to GCS imports it (its task
-carries a `GcsBucket` holding these credentials): it needs prefect-gcp, never
+A module of its own because a pod whose results go to a GCS bucket with a
+service-account key imports it (its task carries these credentials; without a key the
+pod gets none, `common.prefect_pod_storage`): it needs prefect-gcp, never
 prefect-kubernetes, which `KineticCluster` needs (about half a second of CPU per pod).
 """
 

@@ -15,7 +15,6 @@ each docstring fail if they change:
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections.abc import Iterator
@@ -114,130 +113,41 @@ def logged_task_run_errors() -> Iterator[list[BaseException]]:
         logger.removeHandler(handler)
 
 
-# Each result record this process wrote through `direct_result_writes`, by URI: its sha256,
-# and its bytes when they are few enough to travel in the final-state record.
-_WRITTEN: dict[str, tuple[str, bytes | None]] = {}
-
-
-def result_seal(task_run: Any, storage_block_id: str, storage_key: str, sha256: str) -> Any:
-    """The pod's signed `ResultSeal` of a result record of `task_run` it persisted."""
-    import os
-
-    from kinetic_prefect.common.env import SIGNING_KEY_ENV
-    from kinetic_prefect.common.records import ResultSeal
-
-    seal = ResultSeal(
-        flow_run_id=str(task_run.flow_run_id or "no-flow-run"),
-        task_run_id=str(task_run.id),
-        storage_block_id=storage_block_id,
-        storage_key=storage_key,
-        sha256=sha256,
-    )
-    key = os.environ.get(SIGNING_KEY_ENV)
-    if key:
-        seal.sign(key)
-    return seal
-
-
 def direct_result_writes(task: Any) -> None:
-    """Let the task's GCS result storage write through this process's GCS client.
+    """Ready a task whose results go to a saved GCS bucket (`PodGcsBucket`) to write them.
 
-    prefect-gcp's `GcsBucket` makes a client and looks its bucket up (a request, and
-    `storage.buckets.get`) before every write. A copy of the saved block, with its
-    block id (records keep referring to the saved block), writes the same bytes to
-    the same object in one request and remembers what it wrote (`written_record`): the
-    pod signs its digest without reading the record back (a small one travels in the
-    final-state record), and knows the write landed without asking. The record's seal
-    (`result_seal`) goes into its custom metadata in the same request. The orchestrator
-    decided the cache lookup before the pod started, so the engine here does not look
-    up again (`refresh_cache`): it writes.
+    The orchestrator decided the cache lookup before the pod started, so the engine here
+    does not look up again (`refresh_cache`): it writes. What a warm pod's earlier tasks
+    wrote was reported already.
     `test_a_result_record_replaced_after_the_pod_wrote_it_is_refused_naming_it_never_unpickled`
     fails if the engine stops writing through the block's `write_path`.
     """
-    _WRITTEN.clear()  # a warm pod's earlier tasks: their records were reported
-    storage = task.result_storage
-    if getattr(storage, "_block_document_id", None) is None or not _is_gcs_bucket(storage):
-        return
-    direct = _direct_class(type(storage)).model_construct(
-        **{name: getattr(storage, name) for name in type(storage).model_fields}
-    )
-    for private in ("_block_document_id", "_block_document_name", "_is_anonymous"):
-        setattr(direct, private, getattr(storage, private))
-    task.result_storage = direct
-    task.refresh_cache = True
+    from kinetic_prefect.common.prefect_pod_storage import WRITTEN, PodGcsBucket
 
-
-def _is_gcs_bucket(storage: Any) -> bool:
-    try:
-        from prefect_gcp.cloud_storage import GcsBucket
-    except ImportError:
-        return False
-    return isinstance(storage, GcsBucket)
-
-
-_DIRECT_CLASSES: dict[type, type] = {}
-
-
-def _direct_class(base: type) -> Any:
-    """`base` (a GcsBucket class) with `write_path` through `common.gcs` (one per base)."""
-    if base in _DIRECT_CLASSES:
-        return _DIRECT_CLASSES[base]
-
-    def write(self: Any, path: str, content: bytes) -> str:
-        from prefect.context import TaskRunContext
-
-        from kinetic_prefect.common.gcs import GcsStore
-        from kinetic_prefect.common.records import INLINE_RESULT_BYTES, SEAL_METADATA_KEY
-
-        resolved = self._resolve_path(path)
-        store = GcsStore(f"gs://{self.bucket}", gcp_credentials=self.gcp_credentials)
-        sha256 = hashlib.sha256(content).hexdigest()
-        context = TaskRunContext.get()
-        metadata = None
-        if context is not None:
-            seal = result_seal(context.task_run, str(self._block_document_id), path, sha256)
-            metadata = {SEAL_METADATA_KEY: seal.encode().decode()}
-        small = content if len(content) <= INLINE_RESULT_BYTES else None
-        _WRITTEN[store.put_bytes(resolved, content, metadata)] = (sha256, small)
-        return str(resolved)
-
-    def write_path(self: Any, path: str, content: bytes, **_dispatch: Any) -> str:
-        return write(self, path, content)
-
-    async def awrite_path(self: Any, path: str, content: bytes) -> str:
-        import asyncio
-
-        return await asyncio.to_thread(write, self, path, content)
-
-    direct = type(
-        f"Direct{base.__name__}",
-        (base,),
-        {
-            "__module__": __name__,
-            "_block_type_slug": f"kinetic-direct-{base.__name__.lower()}",
-            "write_path": write_path,
-            "awrite_path": awrite_path,
-        },
-    )
-    _DIRECT_CLASSES[base] = direct
-    return direct
+    WRITTEN.clear()
+    if isinstance(task.result_storage, PodGcsBucket):
+        task.refresh_cache = True
 
 
 def _direct_location(task: Any, metadata: Any) -> str | None:
     """gs://bucket/object of the record `metadata` names, if the storage writes directly."""
+    from kinetic_prefect.common.prefect_pod_storage import PodGcsBucket
+
     storage = task.result_storage
-    if type(storage) not in _DIRECT_CLASSES.values():
+    if not isinstance(storage, PodGcsBucket):
         return None
     if storage._block_document_id != metadata.storage_block_id:
         return None
-    return f"gs://{storage.bucket}/{storage._resolve_path(str(metadata.storage_key))}"
+    return storage.location(str(metadata.storage_key))
 
 
 def written_record(task: Any, metadata: Any) -> tuple[str, bytes | None] | None:
     """The sha256 of the result record `metadata` names, and its bytes when small, if this
     process wrote it directly."""
+    from kinetic_prefect.common.prefect_pod_storage import WRITTEN
+
     location = _direct_location(task, metadata)
-    return _WRITTEN.get(location) if location else None
+    return WRITTEN.get(location) if location else None
 
 
 def unstored_result(state: Any, task: Any, logged: list[BaseException]) -> Any:
@@ -256,6 +166,7 @@ def unstored_result(state: Any, task: Any, logged: list[BaseException]) -> Any:
     from prefect.states import Failed
 
     from kinetic_prefect.common.gcs import GcsStore, denied_permission, grant_hint, split_gs_uri
+    from kinetic_prefect.common.prefect_pod_storage import WRITTEN
     from kinetic_prefect.errors import ResultNotStoredError
 
     record = _persisted_record(state, task)
@@ -263,7 +174,7 @@ def unstored_result(state: Any, task: Any, logged: list[BaseException]) -> Any:
         return None
     direct = _direct_location(task, record.metadata)
     if direct is not None:
-        if direct in _WRITTEN:
+        if direct in WRITTEN:
             return None
         bucket, path = split_gs_uri(direct)
         needed = ["storage.objects.create"]

@@ -117,7 +117,9 @@ class PodRun:
     def write_result_seal(self, reference: Any, sha256: str) -> None:
         """The signed digest of a persisted result record, for later cache hits on it
         (a record the pod wrote itself carries it in its metadata instead)."""
-        seal = prefect_process.result_seal(
+        from kinetic_prefect.common.prefect_pod_storage import result_seal
+
+        seal = result_seal(
             self.contents["task_run"],
             str(reference.storage_block_id),
             str(reference.storage_key),

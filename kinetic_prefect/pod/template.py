@@ -32,15 +32,14 @@ from kinetic_prefect.pod.exit import FastExit
 # own exit handlers run first, this one last.
 fast_exit = FastExit()
 
-# What every pod imports before its task runs, and the credentials block: a task
-# whose results go to GCS carries a `GcsBucket` with `KineticGcpCredentials`, and
-# unpickling it imports prefect-gcp (about half a second of CPU).
+# What every pod imports before its task runs, and the block a task whose results go
+# to a saved GCS bucket carries (`common.prefect_pod_storage`).
 PRELOADED = (
     "cloudpickle",
     "prefect",
     "prefect.task_engine",
     "kinetic_prefect.pod.entrypoint",
-    "kinetic_prefect.blocks.credentials",
+    "kinetic_prefect.common.prefect_pod_storage",
 )
 _MAX_MESSAGE = 1 << 20
 

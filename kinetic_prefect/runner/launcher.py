@@ -47,6 +47,7 @@ from kinetic_prefect.common.env import (
     SIGNING_KEY_ENV,
 )
 from kinetic_prefect.common.handover import INLINE_PAYLOAD_BYTES
+from kinetic_prefect.common.prefect_pod_storage import PodGcsBucket
 from kinetic_prefect.common.storage import JobsStore, open_store
 from kinetic_prefect.data import data
 from kinetic_prefect.errors import PodPhaseError, PodStartError
@@ -259,8 +260,12 @@ class Launcher:
         launch.task_run.run_count = launch.runs_used
         payload = build_payload(
             {
-                # The engine in the pod retries exceptions with what is left of the budget.
-                "task": launch.task.with_options(retries=launch.engine_retries),
+                # The engine in the pod retries exceptions with what is left of the budget,
+                # and writes a saved GCS bucket's results without prefect-gcp.
+                "task": launch.task.with_options(
+                    retries=launch.engine_retries,
+                    result_storage=PodGcsBucket.standing_in_for(launch.task.result_storage),
+                ),
                 "task_run": launch.task_run,
                 "parameters": launch.parameters,
                 # Upstreams were resolved here already; the pod needs no futures.

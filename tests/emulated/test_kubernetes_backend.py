@@ -108,6 +108,34 @@ def test_mapped_results_come_back_from_job_pods_through_gcs_result_storage(gke, 
     assert all(f"kinetic/{job_id}/final-state.json" in gcs.names("kinetic/") for job_id in job_ids)
 
 
+@task
+def cube_noting_prefect_gcp_at_exit(x: int, note: str) -> int:
+    """x**3; once the pod has written its result and final state, the prefect-gcp modules
+    its process imported go to the file `note` (an exit handler: the pod's own runs last)."""
+    import atexit
+    import sys
+
+    def write_note() -> None:
+        imported = sorted(m for m in sys.modules if m.split(".")[0] == "prefect_gcp")
+        Path(note).write_text(json.dumps(imported))
+
+    atexit.register(write_note)
+    return x**3
+
+
+def test_a_gke_task_pod_writes_its_result_without_importing_prefect_gcp(gke, gcs, tmp_path):
+    note = tmp_path / "prefect-gcp-modules.json"
+
+    @flow(task_runner=_runner(gke))
+    def one() -> int:
+        return cube_noting_prefect_gcp_at_exit.submit(3, str(note)).result()
+
+    # Read back here through the saved GcsBucket the record names.
+    assert one() == 27
+    assert len(gcs.names("results/")) == 1
+    assert json.loads(note.read_text()) == []
+
+
 def test_a_twelve_task_map_costs_under_3_kubernetes_api_requests_per_task(gke, cluster):
     cluster.kubelet.run_containers = False  # the pod ends with exit 0 as soon as it runs
     set_up = len(cluster.client_requests())  # the administrator's, before the flow

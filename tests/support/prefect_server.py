@@ -24,6 +24,22 @@ from typing import Any
 from tests.support.waiting import wait_until
 
 _ISOLATED_PREFIXES = ("PREFECT_", "KINETIC_")
+# Parts of a Prefect server no test here uses, each a loop (or, for triggers, work on every
+# event): marking workers offline, runs late, pauses expired, leases and leftovers
+# reclaimed, automations; and the UI's static files, copied into each new home. Every
+# server of the suite starts without them (tests/conftest.py sets them for the session's).
+UNUSED_SERVER_PARTS = dict.fromkeys(
+    (
+        "PREFECT_SERVER_SERVICES_FOREMAN_ENABLED",
+        "PREFECT_SERVER_SERVICES_LATE_RUNS_ENABLED",
+        "PREFECT_SERVER_SERVICES_PAUSE_EXPIRATIONS_ENABLED",
+        "PREFECT_SERVER_SERVICES_REPOSSESSOR_ENABLED",
+        "PREFECT_SERVER_SERVICES_CLEANUP_RECONCILER_ENABLED",
+        "PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED",
+        "PREFECT_SERVER_UI_ENABLED",
+    ),
+    "false",
+)
 _STOP_TIMEOUT_SECONDS = 20.0
 
 
@@ -193,21 +209,7 @@ def prefect_server(
         PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="1",
         PREFECT_SERVER_SERVICES_SCHEDULER_RECENT_DEPLOYMENTS_LOOP_SECONDS="1",
         PREFECT_SERVER_LOGGING_LEVEL="WARNING",
-        # Services no test here uses, each a loop (or, for triggers, work on every event):
-        # marking workers offline, runs late, pauses expired, leases and leftovers reclaimed,
-        # automations; and the UI's static files, copied into each new home.
-        **dict.fromkeys(
-            (
-                "PREFECT_SERVER_SERVICES_FOREMAN_ENABLED",
-                "PREFECT_SERVER_SERVICES_LATE_RUNS_ENABLED",
-                "PREFECT_SERVER_SERVICES_PAUSE_EXPIRATIONS_ENABLED",
-                "PREFECT_SERVER_SERVICES_REPOSSESSOR_ENABLED",
-                "PREFECT_SERVER_SERVICES_CLEANUP_RECONCILER_ENABLED",
-                "PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED",
-                "PREFECT_SERVER_UI_ENABLED",
-            ),
-            "false",
-        ),
+        **UNUSED_SERVER_PARTS,
         **({"PREFECT_SERVER_API_AUTH_STRING": auth_string} if auth_string else {}),
     )
     process = start_prefect(
