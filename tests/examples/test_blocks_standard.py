@@ -15,14 +15,18 @@ from prefect.utilities.importtools import to_qualified_name
 
 
 def shipped_blocks() -> list[type[Block]]:
-    """Block types registered once Prefect has loaded this package's collection entry point."""
+    """The block types this package's collection entry point names, as Prefect looks them up.
+
+    Those are what a user saves, loads and sees in the UI. Block classes the package uses
+    internally (`PodGcsBucket`, which a pod gets in a saved `GcsBucket`'s place and which
+    is never saved) are in Prefect's registry too once imported, but are not shipped.
+    """
     (collection,) = entry_points(group="prefect.collections", name="kinetic_prefect")
-    collection.load()
+    plugin = collection.load()
     registry = get_registry_for_type(Block) or {}
-    return sorted(
-        (b for b in registry.values() if to_qualified_name(b).startswith("kinetic_prefect.")),
-        key=lambda b: b.__name__,
-    )
+    blocks = [registry[slug] for slug in plugin.BLOCK_TYPES]
+    assert all(to_qualified_name(b).startswith("kinetic_prefect.") for b in blocks), blocks
+    return sorted(blocks, key=lambda b: b.__name__)
 
 
 def _resolves(host: str) -> bool:
