@@ -1,8 +1,9 @@
 """Prefect blocks: `KineticCluster` and the GCS credentials that work with the emulator.
 
-Each block type is a module of its own, imported on first use: a pod unpickling a
-`GcsBucket` that holds `KineticGcpCredentials` imports `blocks.credentials` only, not
-prefect-kubernetes, which `KineticCluster` (`blocks.cluster`) needs. The
+Each block type is a module of its own, imported on first use: a pod whose results go
+to a GCS bucket with a service-account key in `KineticGcpCredentials` imports
+`blocks.credentials` only, not prefect-kubernetes, which `KineticCluster`
+(`blocks.cluster`) needs. The
 `prefect.collections` entry point (`kinetic_prefect.plugin`) names both types, so every
 Prefect process knows them without any import in user code.
 """

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -72,12 +73,10 @@ class PodGcsBucket(WritableFileSystem):
     def standing_in_for(cls, storage: Any) -> Any:
         """What a pod gets in `storage`'s place: a saved `GcsBucket` as this, else `storage`."""
         if getattr(storage, "_block_document_id", None) is None:
-            return storage  # an unsaved block is saved by the pod's engine, as Prefect does
-        try:
-            from prefect_gcp.cloud_storage import GcsBucket
-        except ImportError:
-            return storage
-        if not isinstance(storage, GcsBucket):
+            return storage  # not a saved block: Prefect's task refuses it, not this
+        gcs = sys.modules.get("prefect_gcp.cloud_storage")  # a GcsBucket has imported it
+        # A subclass may write or resolve keys its own way: it goes to the pod as it is.
+        if gcs is None or type(storage) is not gcs.GcsBucket:
             return storage
         from kinetic_prefect.common.gcs import holds_key
 
@@ -98,8 +97,8 @@ class PodGcsBucket(WritableFileSystem):
         return str(PurePosixPath(self.bucket_folder, path)) if self.bucket_folder else path
 
     def location(self, path: str) -> str:
-        """gs://bucket/object of `path`."""
-        return f"gs://{self.bucket}/{self._resolve_path(path)}"
+        """gs://bucket/object of `path`, as `WRITTEN` names it."""
+        return str(self._store().uri(self._resolve_path(path)))
 
     def _store(self) -> Any:
         from kinetic_prefect.common.gcs import GcsStore

@@ -8,11 +8,13 @@ letting Prefect read (and unpickle) whatever the storage holds at that moment.
 
 Prefect offers no public call that deserialises a record from given bytes or
 reads a block's bytes without going through its result store, so this module
-uses `ResultRecord.deserialize` and the storage blocks' `read_path(..., _sync=True)`
-dispatch. `test_a_persisted_result_is_read_back_as_its_stored_bytes_then_deserialised`
-reads a record Prefect wrote through both, and
+uses `ResultRecord.deserialize`, the storage blocks' `read_path(..., _sync=True)`
+dispatch and a GCS block's `_resolve_path`.
+`test_a_persisted_result_is_read_back_as_its_stored_bytes_then_deserialised`
+reads a record Prefect wrote through both,
 `test_a_result_record_replaced_after_the_pod_wrote_it_is_refused_naming_it_never_unpickled`
-a real pod's; they fail if either changes.
+a real pod's, and `test_a_pod_resolves_result_keys_as_prefect_gcps_gcs_bucket_does`
+holds the object read to the one a pod writes; they fail if any changes.
 """
 
 from __future__ import annotations
@@ -45,12 +47,11 @@ def result_reference(state: Any) -> Any:
 
 def _location(storage: Any, key: str) -> str:
     bucket = getattr(storage, "bucket", None)
-    if isinstance(bucket, str):
-        # As GcsBucket resolves a key: below its folder, unless the key already is.
-        folder = str(getattr(storage, "bucket_folder", "") or "").strip("/")
-        if folder and not key.startswith(folder):
-            key = f"{folder}/{key}"
-        return f"gs://{bucket}/{key}"
+    resolve = getattr(storage, "_resolve_path", None)
+    if isinstance(bucket, str) and resolve is not None:
+        # Where the block itself puts the key (prefect-gcp's private `_resolve_path`: below
+        # its folder, unless the key already is), so this reads what the pod wrote.
+        return f"gs://{bucket}/{resolve(key)}"
     basepath = getattr(storage, "basepath", None)
     if isinstance(basepath, str) and basepath:
         return f"{basepath.rstrip('/')}/{key}"

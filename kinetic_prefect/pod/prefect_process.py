@@ -156,7 +156,7 @@ def unstored_result(state: Any, task: Any, logged: list[BaseException]) -> Any:
     Prefect's engine writes the result record when it commits the task's
     transaction, and a failed commit is logged, not raised: the run still ends
     Completed, and whoever reads the result later finds nothing. A record written
-    through `direct_result_writes` is known to be stored; another GCS one is looked
+    through a `PodGcsBucket` is known to be stored; another GCS one is looked
     up here (its metadata only). A missing one fails the run with the error Prefect
     logged (a GCS 403 names the permission). None when the result is stored, not
     persisted, or not on GCS. `test_a_task_pod_that_cannot_write_the_results_bucket_

@@ -1,9 +1,7 @@
 """A preloaded Python that local pods fork from (`python -m kinetic_prefect.pod.template FD`).
 
 Every pod process starts by importing Prefect, its task engine, cloudpickle and
-the pod runtime: about a second and a half of CPU before the pod does anything,
-and one more for prefect-gcp and prefect-kubernetes when its task carries GCS
-result storage.
+the pod runtime: about a second and a half of CPU before the pod does anything.
 The local backend starts this process once per pod environment instead; it
 imports all of that and then forks one child per pod it is asked for over the
 control socket `FD` (a SOCK_SEQPACKET socket, one JSON message per request).

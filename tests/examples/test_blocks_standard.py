@@ -77,6 +77,20 @@ def test_both_block_types_are_found_through_the_entry_point():
     assert {KineticCluster, KineticGcpCredentials} <= set(shipped_blocks())
 
 
+def test_every_block_class_of_the_package_is_shipped_or_internal():
+    """A new block type is named by the entry point, or listed here as internal."""
+    import kinetic_prefect.blocks.cluster
+    import kinetic_prefect.blocks.credentials  # noqa: F401
+    from kinetic_prefect.common.prefect_pod_storage import PodGcsBucket
+
+    def subclasses(cls: type) -> set[type]:
+        return {s for c in cls.__subclasses__() for s in {c, *subclasses(c)}}
+
+    ours = {c for c in subclasses(Block) if c.__module__.startswith("kinetic_prefect.")}
+
+    assert ours == {*shipped_blocks(), PodGcsBucket}
+
+
 def test_shipped_blocks_register_with_a_prefect_server(prefect_api: str):
     from prefect.client.orchestration import get_client
 

@@ -15,6 +15,7 @@ from prefect.filesystems import LocalFileSystem
 from prefect_gcp.cloud_storage import GcsBucket
 
 from kinetic_prefect.blocks.credentials import KineticGcpCredentials
+from kinetic_prefect.common import prefect_results
 from kinetic_prefect.common.prefect_pod_storage import PodGcsBucket
 
 pytestmark = pytest.mark.lowest_prefect
@@ -45,6 +46,7 @@ def _saved(storage: Any) -> Any:
         ("runs", "runs/0f3a"),  # already below the folder: not nested twice
         ("runs/nightly", "0f3a"),
         ("runs", "runsx/0f3a"),
+        ("a", "a0f3"),  # a folder that is a prefix of a hex key
     ],
 )
 def test_a_pod_resolves_result_keys_as_prefect_gcps_gcs_bucket_does(folder: str, key: str):
@@ -55,6 +57,8 @@ def test_a_pod_resolves_result_keys_as_prefect_gcps_gcs_bucket_does(folder: str,
 
     assert pod._resolve_path(key) == bucket._resolve_path(key)
     assert pod.location(key) == f"gs://results/{bucket._resolve_path(key)}"
+    # Where the orchestrator reads the record the pod wrote there.
+    assert prefect_results._location(bucket, key) == pod.location(key)
 
 
 def test_a_saved_bucket_reaches_pods_with_its_document_id_and_without_keyless_credentials():
@@ -75,14 +79,21 @@ def test_credentials_holding_a_key_travel_with_the_bucket():
     assert PodGcsBucket.standing_in_for(saved).gcp_credentials is credentials
 
 
+class _OwnGcsBucket(GcsBucket):
+    """A user's subclass, which may write or resolve keys its own way."""
+
+    _block_type_slug = "test-own-gcs-bucket"
+
+
 @pytest.mark.parametrize(
     "make",
     [
         lambda: None,
         lambda: GcsBucket(bucket="never-saved", gcp_credentials=KineticGcpCredentials()),
         lambda: _saved(LocalFileSystem(basepath="/tmp/results")),
+        lambda: _saved(_OwnGcsBucket(bucket="results", gcp_credentials=KineticGcpCredentials())),
     ],
-    ids=["none", "unsaved-gcs-bucket", "saved-local-file-system"],
+    ids=["none", "unsaved-gcs-bucket", "saved-local-file-system", "saved-gcs-bucket-subclass"],
 )
 def test_other_result_storage_reaches_pods_as_it_is(make: Callable[[], object]):
     storage = make()
