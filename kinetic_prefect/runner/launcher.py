@@ -433,12 +433,15 @@ class Launcher:
 
     def cancel_many(self, launches: list[TaskLaunch], message: str = CANCELLED_ON_EXIT) -> None:
         """Cancel several task runs at once, and return once each is recorded `Cancelled`
-        and its pod asked to stop.
+        and its pod asked to stop (at once when called on the loop or its I/O threads,
+        which would otherwise wait for themselves).
 
         The loop marks every one before it resolves any: a downstream woken by its
         upstream's cancel then sees its own and starts nothing (no NotReady, no pod).
         """
         self.loop.post_many((launch, Cancel(message)) for launch in launches)
+        if self.loop.runs_on_current_thread():
+            return
         concurrent.futures.wait([launch.future for launch in launches])
         self.loop.wait_for_io()
 

@@ -57,6 +57,7 @@ logger = get_logger("kinetic_prefect.runner.run_loop")
 # Launches, adoptions and pod stops in flight at once; what waits (upstreams, retry
 # delays, pods) holds none of them.
 IO_THREADS = 8
+IO_THREAD_PREFIX = "kinetic-io"
 
 
 class PodActions(Protocol):
@@ -114,6 +115,12 @@ class RunLoop:
         if io is not None:
             io.shutdown(wait=False)
 
+    def runs_on_current_thread(self) -> bool:
+        """Whether this thread is the loop's or one of its I/O threads (a future's callback
+        may run on either): waiting there for the loop would wait forever."""
+        current = threading.current_thread()
+        return current is self._thread or current.name.startswith(IO_THREAD_PREFIX)
+
     def wait_for_io(self) -> None:
         """Return once the launches, adoptions and stops asked for so far are done."""
         with self._lock:
@@ -123,7 +130,7 @@ class RunLoop:
     def _start(self) -> None:
         if self._thread is None:
             self._io = concurrent.futures.ThreadPoolExecutor(
-                max_workers=IO_THREADS, thread_name_prefix="kinetic-io"
+                max_workers=IO_THREADS, thread_name_prefix=IO_THREAD_PREFIX
             )
             self._thread = threading.Thread(target=self._run, name="kinetic-run-loop", daemon=True)
             self._thread.start()
@@ -158,9 +165,10 @@ class RunLoop:
         for launch, event in batch:
             try:
                 new_state, effects = step(launch.state, event)
-            except Exception:
+            except Exception as exc:
+                # Never a future left unresolved: the run ends Failed, saying why.
                 logger.exception("Task run %s: no step for %r", launch.task_run.name, event)
-                continue
+                new_state, effects = step(launch.state, launch_failed("The runner failed", exc))
             self._take_in(launch, event)
             launch.state = new_state
             decided.append((launch, effects))
