@@ -142,10 +142,15 @@ class RunLoop:
             try:
                 item = self._queue.get(timeout=self._until_next_timer())
             except queue.Empty:
-                item = self._due_timers()
+                item = []
             if item is _STOP:
                 return
-            self._apply(item)
+            if item:
+                self._apply(item)
+            # Checked after every event too: a steady stream of them starves no deadline.
+            due = self._due_timers()
+            if due:
+                self._apply(due)
 
     def _until_next_timer(self) -> float | None:
         if not self._timers:
