@@ -110,6 +110,8 @@ class RunLoop:
             self._thread = self._io = None
             if thread is not None:
                 self._queue.put(_STOP)
+                # A later post starts a loop of its own: this one's stop is not for it.
+                self._queue = queue.SimpleQueue()
         if thread is not None and thread is not threading.current_thread():
             thread.join()
         if io is not None:
@@ -132,15 +134,17 @@ class RunLoop:
             self._io = concurrent.futures.ThreadPoolExecutor(
                 max_workers=IO_THREADS, thread_name_prefix=IO_THREAD_PREFIX
             )
-            self._thread = threading.Thread(target=self._run, name="kinetic-run-loop", daemon=True)
+            self._thread = threading.Thread(
+                target=self._run, args=(self._queue,), name="kinetic-run-loop", daemon=True
+            )
             self._thread.start()
 
     # -- the loop -----------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _run(self, events: queue.SimpleQueue[Any]) -> None:
         while True:
             try:
-                item = self._queue.get(timeout=self._until_next_timer())
+                item = events.get(timeout=self._until_next_timer())
             except queue.Empty:
                 item = []
             if item is _STOP:
