@@ -42,7 +42,6 @@ from kinetic_prefect.launch.settings import (
 from kinetic_prefect.runner import prefect_engine as prefect_bridge
 from kinetic_prefect.runner.launcher import CANCELLED_ON_EXIT, Launcher
 from kinetic_prefect.runner.resources import RunnerResources
-from kinetic_prefect.runner.run_state import RunState
 from kinetic_prefect.runner.task_launch import TaskLaunch
 
 if TYPE_CHECKING:
@@ -284,7 +283,7 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
         try:
             self.cancel_all()
         finally:
-            self._launcher.close()
+            self._launcher.resources.close()
             super().__exit__(exc_type, exc_value, traceback)
 
     def cancel_all(self) -> None:
@@ -334,11 +333,7 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
             output_dir=self._output_dir(settings, task_run, task_key),
             context=contextvars.copy_context(),
             serialized_context=prefect_context.pod_context(task, task_run),
-            state=RunState(
-                job_ids=(make_job_id(task.name),),
-                retries=task.retries or 0,
-                preemption_retries=settings.preemption_retries,
-            ),
+            job_ids=[make_job_id(task.name)],
         )
         with self._lock:
             submitter = None
