@@ -15,29 +15,25 @@ the runner's business: while the task has retries left it is recorded as
 `AwaitingRetry` with the reason and relaunched for the same task run, with the
 same `KINETIC_OUTPUT_DIR`, so it resumes from its checkpoint.
 
-Every future is resolved exactly once (`TaskLaunch.resolve`), whichever of the
-watcher, the submitter or a cancel gets there first.
-
-A state the runner records as final is the task run's last word. Prefect keeps
-the state with the latest timestamp, and a pod being stopped may still record
-one (`Running`, as its engine starts; `Crashed`, as the stop interrupts it)
-after the runner wrote `Cancelled`. So once that pod has exited, and whenever
-the engine here decided `NotReady` while a cancel was being recorded, the
-runner's final state is recorded again (`Launcher.reassert_final`).
+The launcher decides nothing about a task run's state: what it learns (inputs
+ready, a pod started, waiting or ended, a launch failed) it posts to the runner's
+`RunLoop`, which decides with `run_state.step` and asks the launcher back for the
+I/O (launch, adopt, stop a pod). Reading what a pod left is done here, off the
+loop, before its end is posted.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import inspect
 import json
-import threading
 from pathlib import Path
 from typing import Any
 
 from prefect.logging import get_logger
-from prefect.states import Cancelled, Failed, Pending, State
+from prefect.states import Failed, State
 
-from kinetic_prefect.backends.base import Backend, PodExit, pending_message
+from kinetic_prefect.backends.base import Backend, PodExit
 from kinetic_prefect.backends.environments import ready_environment
 from kinetic_prefect.common import layout, versions
 from kinetic_prefect.common.env import (
@@ -50,7 +46,6 @@ from kinetic_prefect.common.handover import INLINE_PAYLOAD_BYTES
 from kinetic_prefect.common.prefect_pod_storage import PodGcsBucket
 from kinetic_prefect.common.storage import JobsStore, open_store
 from kinetic_prefect.data import data
-from kinetic_prefect.errors import PodPhaseError, PodStartError
 from kinetic_prefect.launch import prefect_context
 from kinetic_prefect.launch.manifest import LaunchSpec
 from kinetic_prefect.launch.manifest import new_job_id as make_job_id
@@ -69,17 +64,23 @@ from kinetic_prefect.launch.shipping import local_data_paths, ship_parameters
 from kinetic_prefect.launch.slices import build_workload
 from kinetic_prefect.runner import prefect_engine as prefect_bridge
 from kinetic_prefect.runner import result_check
-from kinetic_prefect.runner.attempt_end import (
-    RELAUNCH_PREEMPTED,
-    RETRY,
-    after_silent_end,
-    concluded_state,
-    exception_or_none,
-    read_attempt_end,
-)
-from kinetic_prefect.runner.reattach import Reattacher, identity_labels
+from kinetic_prefect.runner.attempt_end import AttemptEnd, read_attempt_end
+from kinetic_prefect.runner.reattach import Reattacher, identity_labels, reattached_state
 from kinetic_prefect.runner.resources import RunnerResources
-from kinetic_prefect.runner.task_launch import TaskLaunch
+from kinetic_prefect.runner.run_loop import RunLoop
+from kinetic_prefect.runner.run_state import (
+    Cancel,
+    Conclude,
+    EngineDecided,
+    Event,
+    PodEnded,
+    PodPending,
+    Prepared,
+    Started,
+    launch_failed,
+    runs_after,
+)
+from kinetic_prefect.runner.task_launch import Inputs, TaskLaunch
 from kinetic_prefect.runner.warm_pods import runs_warm
 
 logger = get_logger("kinetic_prefect.runner.launcher")
@@ -93,6 +94,14 @@ class Launcher:
     def __init__(self, resources: RunnerResources) -> None:
         self.resources = resources
         self.reattach = Reattacher(resources)
+        self.loop = RunLoop(self)
+
+    def post(self, launch: TaskLaunch, event: Event) -> None:
+        self.loop.post(launch, event)
+
+    def conclude(self, launch: TaskLaunch, state: State[Any]) -> None:
+        """End the task run with `state`, which no pod reported (the runner records it)."""
+        self.post(launch, Conclude(state))
 
     # -- before the pod ---------------------------------------------------------
 
@@ -103,11 +112,11 @@ class Launcher:
         wait_for: Any,
         dependencies: dict[str, set[Any]] | None,
     ) -> None:
-        """Resolve upstreams as Prefect's engine does, then launch the first pod."""
+        """Resolve upstreams as Prefect's engine does, ship data and code, then post
+        `Prepared` (the loop launches the first pod) or the state the run ends with."""
         from prefect.exceptions import UpstreamTaskError
         from prefect.utilities.engine import resolve_inputs_sync
 
-        launch.dependencies = dependencies
         try:
             try:
                 # The engine's own resolution (a single future, a list, nested, behind
@@ -121,56 +130,67 @@ class Launcher:
                     not_ready = prefect_bridge.run_not_ready(
                         launch.task, launch.task_run, parameters, wait_for, dependencies
                     )
-                    if not launch.resolve(not_ready):
-                        # A cancel was recorded while the engine recorded NotReady.
-                        self.reassert_final(launch)
+                    self.post(launch, EngineDecided(not_ready))
                 return
             if launch.cancelled:
                 return
             # A code archive that cannot be shipped is refused before anything is uploaded.
-            launch.local_data_paths = local_data_paths(resolved)
-            self.package_code(launch)
-            launch.parameters = self.ship_data(launch, resolved)
-            launch.store = launch.store or open_store(
-                launch.settings.resolved_jobs_root(), launch.settings.gcp_credentials
-            )
+            self.package_code(launch, local_data_paths(resolved))
+            settings = launch.settings
+            store = open_store(settings.resolved_jobs_root(), settings.gcp_credentials)
+            inputs = self.ship_data(launch, store, resolved, dependencies)
             cached = result_check.cached_state(
                 launch.task,
                 launch.task_run,
-                resolved,
-                launch.store,
+                inputs.parameters,
+                store,
                 self.resources.flow_run_key,
             )
             if cached is not None:
-                self.conclude(launch, cached)
+                self.post(launch, Prepared(inputs, cached=cached))
                 return
             if launch.cancelled:
                 return
             # A pod an earlier flow process launched for this task is taken over, not doubled.
-            attached = self.reattach.attach(self, launch)
-            prefect_bridge.record_output_location(launch.task_run, self._location_rows(launch))
-            if not attached:
-                self.launch_attempt(launch)
+            earlier = self.reattach.find(launch, store)
+            job_id = earlier.job_id if earlier is not None else launch.job_id
+            prefect_bridge.record_output_location(
+                launch.task_run, self._location_rows(launch, job_id)
+            )
+            self.post(launch, Prepared(inputs, earlier=earlier))
         except BaseException as exc:
             logger.debug("Launching %s failed", launch.job_id, exc_info=True)
-            self.conclude(launch, Failed(message=f"Could not launch the pod: {exc}", data=exc))
+            self.post(launch, launch_failed("Could not launch the pod", exc))
 
-    def ship_data(self, launch: TaskLaunch, parameters: dict[str, Any]) -> dict[str, Any]:
+    def ship_data(
+        self,
+        launch: TaskLaunch,
+        store: JobsStore,
+        parameters: dict[str, Any],
+        dependencies: dict[str, set[Any]] | None,
+    ) -> Inputs:
         """Upload local `Data` once and describe every `Data` as a `DataRef` for the pod."""
         if not data.find_data(parameters):
-            return parameters
-        store = launch.store or open_store(
-            launch.settings.resolved_jobs_root(), launch.settings.gcp_credentials
-        )
-        launch.store = store
+            return Inputs(
+                store=store,
+                parameters=parameters,
+                dependencies=dependencies,
+                local_data_paths=local_data_paths(parameters),
+            )
         shipped = ship_parameters(store, parameters, self.resources.data_hashes)
-        launch.data_volumes = shipped.volumes
-        launch.local_data_paths = shipped.local_paths
-        launch.data_bytes_uploaded += shipped.bytes_uploaded
         prefect_bridge.record_data_used(launch.task_run, shipped.rows())
-        return shipped.parameters
+        return Inputs(
+            store=store,
+            parameters=shipped.parameters,
+            dependencies=dependencies,
+            data_volumes=shipped.volumes,
+            local_data_paths=shipped.local_paths,
+            data_bytes_uploaded=shipped.bytes_uploaded,
+        )
 
-    def package_code(self, launch: TaskLaunch) -> tuple[Path, CodeArchive]:
+    def package_code(
+        self, launch: TaskLaunch, local_paths: tuple[Path, ...]
+    ) -> tuple[Path, CodeArchive]:
         """The task's package root and its code archive (built once per runner).
 
         Raises `PayloadError`, before any file is read, for a root too broad to ship
@@ -181,13 +201,13 @@ class Launcher:
         root = find_package_root(source, explicit)
         check_package_root(root, explicit=bool(explicit))
         limits = ArchiveLimits.of(launch.settings)
-        return root, self.resources.context_zip(root, limits, launch.local_data_paths)
+        return root, self.resources.context_zip(root, limits, local_paths)
 
-    def _location_rows(self, launch: TaskLaunch) -> dict[str, str]:
+    def _location_rows(self, launch: TaskLaunch, job_id: str) -> dict[str, str]:
         return {
             "accelerator": launch.accelerator.name + (" (spot)" if launch.accelerator.spot else ""),
             "backend": launch.settings.backend,
-            "job id": launch.job_id,
+            "job id": job_id,
             "output dir": launch.output_dir,
         }
 
@@ -197,9 +217,10 @@ class Launcher:
         """Package, upload and launch one pod for the task run."""
         settings = launch.settings
         jobs_root = settings.resolved_jobs_root()
-        store = launch.store or open_store(jobs_root, settings.gcp_credentials)
-        launch.store = store
-        root, code = self.package_code(launch)
+        inputs = launch.inputs
+        assert inputs is not None, "launched before it was prepared"
+        store = inputs.store
+        root, code = self.package_code(launch, inputs.local_data_paths)
         backend = self.resources.backend_for(settings, jobs_root)
         environment = None
         if settings.ships_environment():
@@ -240,7 +261,7 @@ class Launcher:
             intervals=settings.intervals,
             node_cache_max_gb=settings.node_cache_max_gb,
             service_account=settings.service_account,
-            data_volumes=launch.data_volumes,
+            data_volumes=inputs.data_volumes,
             extra_labels=identity_labels(launch),
             environment=environment,
             cpu=settings.cpu,
@@ -257,20 +278,22 @@ class Launcher:
 
     def _package_attempt(self, launch: TaskLaunch, root: Path) -> tuple[bytes, str]:
         """The attempt's payload: its bytes and sha256."""
-        launch.task_run.run_count = launch.runs_used
+        inputs = launch.inputs
+        assert inputs is not None
+        launch.task_run.run_count = launch.state.runs_used
         payload = build_payload(
             {
                 # The engine in the pod retries exceptions with what is left of the budget,
                 # and writes a saved GCS bucket's results without prefect-gcp.
                 "task": launch.task.with_options(
-                    retries=launch.engine_retries,
+                    retries=launch.state.engine_retries,
                     result_storage=PodGcsBucket.standing_in_for(launch.task.result_storage),
                 ),
                 "task_run": launch.task_run,
-                "parameters": launch.parameters,
+                "parameters": inputs.parameters,
                 # Upstreams were resolved here already; the pod needs no futures.
                 "wait_for": None,
-                "dependencies": launch.dependencies,
+                "dependencies": inputs.dependencies,
                 "context": launch.serialized_context,
                 "versions": versions.fingerprint(),
                 # Where the shipped code lives here: the pod maps its file names for tracebacks.
@@ -305,7 +328,7 @@ class Launcher:
             **self.resources.lease_env(launch, store),
             **plain_env,
             CLIENT_VERSIONS_ENV: json.dumps(versions.fingerprint(), sort_keys=True),
-            ATTEMPT_ENV: str(launch.pods_launched + 1),
+            ATTEMPT_ENV: str(launch.state.pods_launched + 1),
             "PYTHONUNBUFFERED": "1",
         }
 
@@ -314,15 +337,13 @@ class Launcher:
     ) -> None:
         """Hand the attempt's Job (and, for a slice, its Service) to the backend."""
         workload = build_workload(spec)
-        launch.manifest = workload.job
-        job_id = launch.job_id
-        with launch.lock:
-            if launch.cancelled:
-                return
-            launch.backend = backend
-            launch.pods_launched += 1
+        job_id = spec.job_id
+        if launch.cancelled:
+            return
+        # Posted first: whatever the pod does next is posted after it.
+        self.post(launch, Started(job_id, backend, workload.job))
         backend.launch(
-            launch.manifest,
+            workload.job,
             on_exit=lambda outcome: launch.in_context(self.on_pod_exit, launch, outcome),
             secrets=secrets.contents(),
             on_pending=lambda reason: launch.in_context(self.on_pod_pending, launch, reason),
@@ -332,171 +353,105 @@ class Launcher:
             # Cancelled while the Job was being created: the cancel may have missed it.
             backend.cancel(job_id)
 
+    def adopt(self, launch: TaskLaunch, job_id: str) -> None:
+        """Watch a pod an earlier flow process launched for this task run, as if launched here."""
+        assert launch.backend is not None and launch.inputs is not None
+        # From now on this process renews the flow run's lease, so the pod lives on.
+        self.resources.lease_env(launch, launch.inputs.store)
+        logger.info(
+            "Task run %s: reattaching to pod %s, launched by an earlier flow process",
+            launch.task_run.name,
+            job_id,
+        )
+        launch.backend.adopt(
+            job_id,
+            launch.settings.namespace,
+            on_exit=lambda outcome: launch.in_context(self.on_pod_exit, launch, outcome),
+            on_pending=lambda reason: launch.in_context(self.on_pod_pending, launch, reason),
+        )
+
+    def stop_pod(self, launch: TaskLaunch, job_id: str) -> None:
+        """Stop the task run's pod: taken from the warm pool, or its Job cancelled."""
+        if not self.resources.warm_pods.cancel(launch) and launch.backend is not None:
+            launch.backend.cancel(job_id)
+
     def on_pod_pending(self, launch: TaskLaunch, reason: str) -> None:
         """Show why the pod is not running yet as the task run's Pending message."""
-        if launch.future.done():
-            return
-        prefect_bridge.report_state(
-            launch.task_run, Pending(message=pending_message(launch.job_id, reason))
-        )
+        self.post(launch, PodPending(launch.job_id, reason))
 
-    # -- how an attempt ends (the backend's watcher thread) -----------------------
+    # -- how an attempt ends (read here, off the loop) -------------------------------
 
     def on_pod_exit(self, launch: TaskLaunch, outcome: PodExit) -> None:
-        if outcome.job_id != launch.job_id:
+        """Read what the ended pod left and post it (the loop decides what follows)."""
+        state = launch.state
+        if outcome.job_id != state.job_id:
             return
-        if launch.future.done():
-            # Whatever the pod recorded while it was being stopped is older than this.
-            self.reassert_final(launch)
+        next_job_id = make_job_id(launch.task.name)
+        if state.done:  # a late pod: nothing to read, the runner's word is recorded again
+            late = AttemptEnd(launch.future.result(), reported_by_pod=False)
+            self.post(launch, PodEnded(outcome.job_id, late, next_job_id))
             return
-        assert launch.store is not None
+        assert launch.inputs is not None
+        store = launch.inputs.store
         try:
             end = read_attempt_end(
-                launch.store, launch.job_id, outcome, self.resources.signing_key(launch)
+                store, outcome.job_id, outcome, self.resources.signing_key(launch)
             )
         except Exception as exc:
-            logger.exception("Reading the final state of %s failed", launch.job_id)
-            self.conclude(
-                launch, Failed(message=f"Could not read the pod's final state: {exc}", data=exc)
-            )
+            logger.exception("Reading the final state of %s failed", outcome.job_id)
+            message = f"Could not read the pod's final state: {exc}"
+            unread = AttemptEnd(Failed(message=message, data=exc), reported_by_pod=False)
+            self.post(launch, PodEnded(outcome.job_id, unread, next_job_id, unreadable=True))
             return
-        if end.reported_by_pod:
-            if end.task_run is not None:
-                launch.task_run = end.task_run
-            if end.retrying:
-                launch.runs_used += 1
-                note = f"Relaunching every host of the slice: {end.state.message or 'retry'}"
-                self.schedule_relaunch(launch, note, end.retry_delay(), recorded=True)
-                return
-            launch.resolve(end.state)
-            return
-        launch.runs_used += 1
-        if launch.task.retries and end.state.is_crashed() and not outcome.preempted:
-            # The pod may have run the task more than once (the engine's retries): ask
-            # the API, only when a relaunch depends on it.
-            recorded = prefect_bridge.recorded_run_count(launch.task_run.id)
-            launch.runs_used = max(launch.runs_used, recorded)
-        # A flow run the lease marked over (its pods end themselves on SIGTERM, which
-        # looks like a preemption) is never relaunched.
-        cancelled = (
-            launch.cancelled
-            or outcome.cancelled
-            or self.resources.flow_run_ending(launch) is not None
-        )
-        step = after_silent_end(
-            state_type=end.state.type,
-            cancelled=cancelled,
-            preempted=outcome.preempted,
-            preemptions_left=launch.preemptions_left,
-            retries_left=launch.retries_left,
-            pod_never_ran_the_task=isinstance(
-                exception_or_none(end.state), (PodPhaseError, PodStartError)
+        if state.adopted and end.reported_by_pod and end.state.is_completed():
+            end = AttemptEnd(reattached_state(end.state, outcome.job_id), reported_by_pod=True)
+        recorded_runs, delay, stopped = 0, end.retry_delay(), bool(outcome.cancelled)
+        if not end.reported_by_pod:
+            if launch.task.retries and end.state.is_crashed() and not outcome.preempted:
+                # The pod may have run the task more than once (the engine's retries): ask
+                # the API, only when a relaunch depends on it.
+                recorded_runs = prefect_bridge.recorded_run_count(launch.task_run.id)
+            delay = prefect_bridge.retry_delay(launch.task, runs_after(state, recorded_runs))
+            # A flow run the lease marked over (its pods end themselves on SIGTERM, which
+            # looks like a preemption) is never relaunched.
+            stopped = stopped or self.resources.flow_run_ending(launch) is not None
+        self.post(
+            launch,
+            PodEnded(
+                outcome.job_id,
+                end,
+                next_job_id,
+                preempted=outcome.preempted,
+                stopped=stopped,
+                recorded_runs=recorded_runs,
+                retry_delay=delay,
+                task_run=end.task_run,
             ),
         )
-        if step == RELAUNCH_PREEMPTED:
-            launch.preemptions += 1
-            note = (
-                f"Preempted: {end.state.message} (preemption {launch.preemptions} of "
-                f"{launch.settings.preemption_retries}; the task's retries are untouched)"
-            )
-            self.schedule_relaunch(launch, note, delay=0.0)
-        elif step == RETRY:
-            delay = prefect_bridge.retry_delay(launch.task, launch.runs_used)
-            self.schedule_relaunch(launch, f"Retrying after a crash: {end.state.message}", delay)
-        else:
-            self.conclude(launch, concluded_state(end.state, cancelled))
-
-    def schedule_relaunch(
-        self, launch: TaskLaunch, note: str, delay: float, recorded: bool = False
-    ) -> None:
-        """Record AwaitingRetry with the reason (unless the pod `recorded` its retry state);
-        wait out the delay without a pod."""
-        if not recorded:
-            prefect_bridge.report_state(launch.task_run, prefect_bridge.awaiting_retry(delay, note))
-        launch.job_ids.append(make_job_id(launch.task.name))
-        logger.info(
-            "Task run %s: %s; relaunching as %s in %.1fs",
-            launch.task_run.name,
-            note,
-            launch.job_id,
-            delay,
-        )
-
-        def relaunch() -> None:
-            if launch.cancelled:
-                return
-            try:
-                self.launch_attempt(launch)
-            except BaseException as exc:
-                self.conclude(
-                    launch, Failed(message=f"Could not relaunch the pod: {exc}", data=exc)
-                )
-
-        timer = threading.Timer(delay, launch.in_context, args=(relaunch,))
-        timer.daemon = True
-        launch.retry_timer = timer
-        timer.start()
-
-    def conclude(self, launch: TaskLaunch, state: State[Any]) -> None:
-        """Report a state no pod reported, and resolve the future with it (once)."""
-        with launch.lock:
-            if launch.future.done():
-                return
-            try:
-                prefect_bridge.report_state(launch.task_run, state)
-            except Exception:
-                logger.warning(
-                    "Could not report %s for %s", state.type.value, launch.job_id, exc_info=True
-                )
-            launch.recorded_final = state
-            launch.future.set_result(state)
-
-    def reassert_final(self, launch: TaskLaunch) -> None:
-        """Record the runner's final state again, now, so that it outlasts anything older.
-
-        No-op unless the runner resolved the task run itself (a pod's own report
-        stands as the pod recorded it).
-        """
-        with launch.lock:
-            state = launch.recorded_final
-            if state is None:
-                return
-            again = state.fresh_copy()
-            launch.recorded_final = again
-            try:
-                launch.in_context(prefect_bridge.report_state, launch.task_run, again)
-            except Exception:
-                logger.warning(
-                    "Could not record %s again for %s",
-                    state.type.value,
-                    launch.job_id,
-                    exc_info=True,
-                )
 
     # -- cancelling ---------------------------------------------------------------
 
     def cancel_many(self, launches: list[TaskLaunch], message: str = CANCELLED_ON_EXIT) -> None:
-        """Cancel several task runs, none of them started by another's cancel.
+        """Cancel several task runs at once, and return once each is recorded `Cancelled`
+        and its pod asked to stop (at once when called on the loop or its I/O threads,
+        which would otherwise wait for themselves).
 
-        Every one is marked first: a downstream woken by its upstream's cancel then
-        sees its own and starts nothing (no NotReady, no pod).
+        The loop marks every one before it resolves any: a downstream woken by its
+        upstream's cancel then sees its own and starts nothing (no NotReady, no pod).
         """
-        for launch in launches:
-            with launch.lock:
-                launch.cancelled = True
-        for launch in launches:
-            self.cancel(launch, message)
+        self.loop.post_many((launch, Cancel(message)) for launch in launches)
+        if self.loop.runs_on_current_thread():
+            return
+        concurrent.futures.wait([launch.future for launch in launches])
+        self.loop.wait_for_io()
 
     def cancel(self, launch: TaskLaunch, message: str = CANCELLED_ON_EXIT) -> None:
-        """Stop the task run: no further pod, the running one cancelled, the future Cancelled."""
-        with launch.lock:
-            launch.cancelled = True
-            backend = launch.backend
-        if launch.retry_timer is not None:
-            launch.retry_timer.cancel()
-        if not self.resources.warm_pods.cancel(launch) and backend is not None:
-            try:
-                backend.cancel(launch.job_id)
-            except Exception:
-                logger.warning("Could not cancel pod %s", launch.job_id, exc_info=True)
-        launch.in_context(self.conclude, launch, Cancelled(message=message))
+        """Stop the task run: no further pod, the running one stopped, the future Cancelled."""
+        self.cancel_many([launch], message)
+
+    def close(self) -> None:
+        """Close the backends (their pods' last events are applied), then the loop."""
+        try:
+            self.resources.close()
+        finally:
+            self.loop.close()

@@ -35,18 +35,18 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from prefect.logging import get_logger
-from prefect.states import Running, State
+from prefect.states import State
 
 from kinetic_prefect.backends.base import Backend, FoundPod, PodExit
-from kinetic_prefect.common.storage import JobsStore, open_store
+from kinetic_prefect.common.storage import JobsStore
 from kinetic_prefect.launch.identity import task_identity
 from kinetic_prefect.launch.manifest import LABEL_TASK_IDENTITY
-from kinetic_prefect.runner import prefect_engine as prefect_bridge
-from kinetic_prefect.runner.attempt_end import AttemptEnd, read_attempt_end
+from kinetic_prefect.runner.attempt_end import read_attempt_end
 from kinetic_prefect.runner.resources import RunnerResources
+from kinetic_prefect.runner.run_state import EarlierPod
 
 if TYPE_CHECKING:
-    from kinetic_prefect.runner.task_launch import AttemptHooks, TaskLaunch
+    from kinetic_prefect.runner.task_launch import TaskLaunch
 
 logger = get_logger("kinetic_prefect.runner.reattach")
 
@@ -100,14 +100,14 @@ class Reattacher:
                 self._found[key] = found
         return found
 
-    def attach(self, launcher: AttemptHooks, launch: TaskLaunch) -> bool:
-        """Take over the task's earlier pod, if it has one worth it; True if it was."""
+    def find(self, launch: TaskLaunch, store: JobsStore) -> EarlierPod | None:
+        """The task's earlier pod worth taking over: a live one to adopt, or one whose
+        Completed state is the task run's. None: launch a new pod."""
         labels = identity_labels(launch)
         if not labels:
-            return False
+            return None
         settings = launch.settings
-        jobs_root = settings.resolved_jobs_root()
-        backend = self._resources.backend_for(settings, jobs_root)
+        backend = self._resources.backend_for(settings, settings.resolved_jobs_root())
         earlier = self.earlier_pods(
             backend,
             str(launch.task_run.flow_run_id),
@@ -117,14 +117,13 @@ class Reattacher:
         )
         pods = earlier.get(labels[LABEL_TASK_IDENTITY], [])
         if not pods:
-            return False
-        launch.store = store = launch.store or open_store(jobs_root, settings.gcp_credentials)
+            return None
         live = [pod for pod in pods if pod.live]
         if live:
-            self._adopt(launcher, launch, backend, store, live[0])
-            return True
+            return EarlierPod(live[0].job_id, backend=backend)
         newest = pods[0]
-        end = self._read_end(launch, store, PodExit(newest.job_id, exit_code=None))
+        key = self._resources.signing_key(launch)
+        end = read_attempt_end(store, newest.job_id, PodExit(newest.job_id, exit_code=None), key)
         if not (end.reported_by_pod and end.state.is_completed()):
             logger.info(
                 "Task run %s: the earlier pod %s did not complete (%s); launching a new one",
@@ -132,58 +131,8 @@ class Reattacher:
                 newest.job_id,
                 end.state.message,
             )
-            return False
-        launch.job_ids[-1] = newest.job_id
-        launcher.conclude(launch, reattached_state(end.state, newest.job_id))
-        return True
-
-    def _adopt(
-        self,
-        launcher: AttemptHooks,
-        launch: TaskLaunch,
-        backend: Backend,
-        store: JobsStore,
-        pod: FoundPod,
-    ) -> None:
-        # From now on this process renews the flow run's lease, so the pod lives on.
-        self._resources.lease_env(launch, store)
-        with launch.lock:
-            if launch.cancelled:
-                return
-            launch.backend = backend
-            launch.job_ids[-1] = pod.job_id
-        logger.info(
-            "Task run %s: reattaching to pod %s, launched by an earlier flow process",
-            launch.task_run.name,
-            pod.job_id,
-        )
-        message = f"Reattached to pod {pod.job_id}, launched by an earlier flow process"
-        prefect_bridge.report_state(launch.task_run, Running(message=message))
-        backend.adopt(
-            pod.job_id,
-            launch.settings.namespace,
-            on_exit=lambda outcome: launch.in_context(self._on_exit, launcher, launch, outcome),
-            on_pending=lambda reason: launch.in_context(launcher.on_pod_pending, launch, reason),
-        )
-
-    def _on_exit(self, launcher: AttemptHooks, launch: TaskLaunch, outcome: PodExit) -> None:
-        """The adopted pod ended: its Completed state is the task run's, else a new pod runs."""
-        if launch.future.done() or launch.cancelled or outcome.cancelled:
-            return
-        assert launch.store is not None
-        end = self._read_end(launch, launch.store, outcome)
-        if end.reported_by_pod and end.state.is_completed():
-            launcher.conclude(launch, reattached_state(end.state, outcome.job_id))
-            return
-        note = (
-            f"The reattached pod {outcome.job_id} ended without completing "
-            f"({end.state.message}); launching a new pod"
-        )
-        launcher.schedule_relaunch(launch, note, delay=0.0)
-
-    def _read_end(self, launch: TaskLaunch, store: JobsStore, outcome: PodExit) -> AttemptEnd:
-        key = self._resources.signing_key(launch)
-        return read_attempt_end(store, outcome.job_id, outcome, key)
+            return None
+        return EarlierPod(newest.job_id, completed=reattached_state(end.state, newest.job_id))
 
 
 def _setter(event: threading.Event) -> Callable[[PodExit], None]:

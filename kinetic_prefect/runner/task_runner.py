@@ -42,6 +42,7 @@ from kinetic_prefect.launch.settings import (
 from kinetic_prefect.runner import prefect_engine as prefect_bridge
 from kinetic_prefect.runner.launcher import CANCELLED_ON_EXIT, Launcher
 from kinetic_prefect.runner.resources import RunnerResources
+from kinetic_prefect.runner.run_state import RunState
 from kinetic_prefect.runner.task_launch import TaskLaunch
 
 if TYPE_CHECKING:
@@ -283,7 +284,7 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
         try:
             self.cancel_all()
         finally:
-            self._launcher.resources.close()
+            self._launcher.close()
             super().__exit__(exc_type, exc_value, traceback)
 
     def cancel_all(self) -> None:
@@ -333,7 +334,11 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
             output_dir=self._output_dir(settings, task_run, task_key),
             context=contextvars.copy_context(),
             serialized_context=prefect_context.pod_context(task, task_run),
-            job_ids=[make_job_id(task.name)],
+            state=RunState(
+                job_ids=(make_job_id(task.name),),
+                retries=task.retries or 0,
+                preemption_retries=settings.preemption_retries,
+            ),
         )
         with self._lock:
             submitter = None

@@ -75,10 +75,11 @@ from kinetic_prefect.launch.manifest import (
 from kinetic_prefect.launch.pod_secrets import PodSecrets
 from kinetic_prefect.launch.slices import build_workload
 from kinetic_prefect.runner import prefect_engine
+from kinetic_prefect.runner.run_state import Event, Started, Unstarted
 
 if TYPE_CHECKING:
     from kinetic_prefect.launch.accelerators import Accelerator
-    from kinetic_prefect.runner.task_launch import AttemptHooks, TaskLaunch
+    from kinetic_prefect.runner.task_launch import TaskLaunch, TaskRunEvents
 
 logger = get_logger("kinetic_prefect.runner.warm_pods")
 
@@ -90,6 +91,7 @@ RAMP = 4
 
 OnEnd = Callable[["TaskLaunch", PodExit], None]
 OnPending = Callable[["TaskLaunch", str], None]
+Post = Callable[["TaskLaunch", Event], None]
 
 
 def runs_warm(launch: TaskLaunch, accelerator: Accelerator) -> bool:
@@ -103,7 +105,7 @@ def warm_placement(
     backend: Backend,
     store: JobsStore,
     secrets: PodSecrets,
-    launcher: AttemptHooks,
+    launcher: TaskRunEvents,
     payload: bytes | None = None,
 ) -> Placement:
     """The launcher's attempt as a placement for a warm pod (`payload`: not uploaded yet)."""
@@ -119,6 +121,7 @@ def warm_placement(
         idle_seconds=settings.warm_pod_idle_seconds,
         on_end=launcher.on_pod_exit,
         on_pending=launcher.on_pod_pending,
+        post=launcher.post,
     )
 
 
@@ -155,6 +158,7 @@ class Placement:
     idle_seconds: float
     on_end: OnEnd
     on_pending: OnPending
+    post: Post
 
 
 @dataclass
@@ -353,7 +357,7 @@ class WarmPods:
         backend: Backend,
         store: JobsStore,
         secrets: PodSecrets,
-        launcher: AttemptHooks,
+        launcher: TaskRunEvents,
         payload: bytes | None = None,
     ) -> bool:
         """Place the attempt on a warm pod if it is one for a warm pod (`runs_warm`); else make
@@ -553,14 +557,11 @@ class WarmPods:
     # -- acting ------------------------------------------------------------------------
 
     def _claim(self, placement: Placement, manifest: dict[str, Any]) -> bool:
-        """Count the attempt on the launch unless it was cancelled meanwhile."""
+        """Tell the runner a pod has the attempt, unless it was cancelled meanwhile."""
         launch = placement.launch
-        with launch.lock:
-            if launch.cancelled:
-                return False
-            launch.backend = placement.backend
-            launch.manifest = manifest
-            launch.pods_launched += 1
+        if launch.cancelled:
+            return False
+        placement.post(launch, Started(launch.job_id, placement.backend, manifest))
         return True
 
     def _start(self, pod: WarmPod, placement: Placement) -> None:
@@ -703,8 +704,7 @@ class WarmPods:
             logger.info(
                 "Warm pod %s ended before taking %s; placing it again", pod.pod_id, launch.job_id
             )
-            with launch.lock:
-                launch.pods_launched -= 1
+            placement.post(launch, Unstarted(launch.job_id))
             with self._lock:
                 if not self._closed:
                     self._waiting.appendleft(placement)

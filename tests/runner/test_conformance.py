@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import os
 import time
 from pathlib import Path
@@ -204,23 +205,37 @@ def test_cancel_all_matches_thread_pool_runner_refusing_submit():
 
 
 def test_a_future_resolves_once_whoever_gets_there_first():
+    """Eight threads post a hundred endings of one task run: the first the loop applies is
+    recorded and resolves the future; every later one finds the run ended."""
+    from prefect.client.schemas.objects import TaskRun
+
+    from kinetic_prefect.runner.run_loop import RunLoop
+    from kinetic_prefect.runner.run_state import Conclude, RunState
+
     launch = TaskLaunch(
         task=None,
-        task_run=None,  # type: ignore[arg-type]
+        task_run=TaskRun(task_key="t", dynamic_key="0"),
         future=concurrent.futures.Future(),
         settings=None,  # type: ignore[arg-type]
         accelerator=None,  # type: ignore[arg-type]
         task_key="",
         output_dir="",
-        context=None,  # type: ignore[arg-type]
+        context=contextvars.copy_context(),
         serialized_context={},
+        state=RunState(job_ids=("kp-t-0",), retries=0, preemption_retries=0),
     )
-    first, second = Completed(data=1), Completed(data=2)
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        outcomes = list(pool.map(launch.resolve, [first, second] * 50))
+    endings = [Completed(data=n) for n in range(100)]
+    loop = RunLoop(actions=None)  # type: ignore[arg-type]
+    try:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda state: loop.post(launch, Conclude(state)), endings))
+        resolved = launch.future.result(timeout=30)
+    finally:
+        loop.close()
 
-    assert outcomes.count(True) == 1
-    assert launch.future.result() in (first, second)
+    assert resolved in endings
+    assert launch.state.final is resolved
+    assert launch.task_run.state is resolved, "recorded once, and never replaced"
 
 
 def _wait_for_forms(runner: object) -> list[object]:

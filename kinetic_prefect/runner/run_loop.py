@@ -1,0 +1,273 @@
+"""The one place a task run's state changes: a serial loop over posted events.
+
+Each runner has one `RunLoop`. Backends, the warm pool, reattach, retry delays,
+cancels and the flow's exit only `post` events to it; for each, in the order
+posted, the loop asks `run_state.step` for the task run's next state, stores
+it, and carries out the effects:
+
+- recording a state in Prefect, resolving the future and showing why a pod
+  waits are done on the loop (a state is recorded as an event Prefect's events
+  client sends on, so none of them waits on the network);
+- launching, adopting and stopping pods are I/O: they run on the loop's pool of
+  `IO_THREADS` threads, and what they learn comes back as events;
+- a retry's delay is a deadline the loop keeps: waiting holds no thread.
+
+No other module assigns a `TaskLaunch` field (`tests/unit/test_run_loop.py`
+reads the source to hold this).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import heapq
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+from prefect.logging import get_logger
+from prefect.states import Pending
+
+from kinetic_prefect.backends.base import pending_message
+from kinetic_prefect.runner import prefect_engine as prefect_bridge
+from kinetic_prefect.runner.run_state import (
+    Adopt,
+    Effect,
+    Event,
+    Launch,
+    PodEnded,
+    Prepared,
+    Record,
+    RecordAwaitingRetry,
+    Resolve,
+    RetryDue,
+    ShowPending,
+    Started,
+    StopPod,
+    WakeAfter,
+    launch_failed,
+    step,
+)
+from kinetic_prefect.runner.task_launch import TaskLaunch
+
+logger = get_logger("kinetic_prefect.runner.run_loop")
+
+# Launches, adoptions and pod stops in flight at once; what waits (upstreams, retry
+# delays, pods) holds none of them.
+IO_THREADS = 8
+IO_THREAD_PREFIX = "kinetic-io"
+
+
+class PodActions(Protocol):
+    """The I/O the loop's effects need (the launcher's)."""
+
+    def launch_attempt(self, launch: TaskLaunch) -> None: ...
+
+    def adopt(self, launch: TaskLaunch, job_id: str) -> None: ...
+
+    def stop_pod(self, launch: TaskLaunch, job_id: str) -> None: ...
+
+
+_STOP = object()
+
+
+class RunLoop:
+    """Applies task-run events one at a time; see the module docstring."""
+
+    def __init__(self, actions: PodActions) -> None:
+        self._actions = actions
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._io: concurrent.futures.ThreadPoolExecutor | None = None
+        # Retry delays: (due, order, launch, event), the earliest first.
+        self._timers: list[tuple[float, int, TaskLaunch, Event]] = []
+        self._order = itertools.count()
+        self._in_flight: set[concurrent.futures.Future[None]] = set()
+
+    # -- posting ------------------------------------------------------------------
+
+    def post(self, launch: TaskLaunch, event: Event) -> None:
+        self.post_many([(launch, event)])
+
+    def post_many(self, items: Iterable[tuple[TaskLaunch, Event]]) -> None:
+        """Post events to be applied together: every one's state is stored before any
+        effect of them is carried out (a cancel of many task runs is seen by all of them
+        before any future's callbacks run)."""
+        batch = list(items)
+        if not batch:
+            return
+        with self._lock:
+            self._start()
+            self._queue.put(batch)
+
+    def close(self) -> None:
+        """Apply what was posted, then stop; a later post starts the loop again."""
+        with self._lock:
+            thread, io = self._thread, self._io
+            self._thread = self._io = None
+            if thread is not None:
+                self._queue.put(_STOP)
+                # A later post starts a loop of its own: this one's stop is not for it.
+                self._queue = queue.SimpleQueue()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        if io is not None:
+            io.shutdown(wait=False)
+
+    def runs_on_current_thread(self) -> bool:
+        """Whether this thread is the loop's or one of its I/O threads (a future's callback
+        may run on either): waiting there for the loop would wait forever."""
+        current = threading.current_thread()
+        return current is self._thread or current.name.startswith(IO_THREAD_PREFIX)
+
+    def wait_for_io(self) -> None:
+        """Return once the launches, adoptions and stops asked for so far are done."""
+        with self._lock:
+            in_flight = list(self._in_flight)
+        concurrent.futures.wait(in_flight)
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._io = concurrent.futures.ThreadPoolExecutor(
+                max_workers=IO_THREADS, thread_name_prefix=IO_THREAD_PREFIX
+            )
+            self._thread = threading.Thread(
+                target=self._run, args=(self._queue,), name="kinetic-run-loop", daemon=True
+            )
+            self._thread.start()
+
+    # -- the loop -----------------------------------------------------------------
+
+    def _run(self, events: queue.SimpleQueue[Any]) -> None:
+        while True:
+            try:
+                item = events.get(timeout=self._until_next_timer())
+            except queue.Empty:
+                item = []
+            if item is _STOP:
+                return
+            if item:
+                self._apply(item)
+            # Checked after every event too: a steady stream of them starves no deadline.
+            due = self._due_timers()
+            if due:
+                self._apply(due)
+
+    def _until_next_timer(self) -> float | None:
+        if not self._timers:
+            return None
+        return max(0.0, self._timers[0][0] - time.monotonic())
+
+    def _due_timers(self) -> list[tuple[TaskLaunch, Event]]:
+        now = time.monotonic()
+        due = []
+        while self._timers and self._timers[0][0] <= now:
+            _, _, launch, event = heapq.heappop(self._timers)
+            due.append((launch, event))
+        return due
+
+    def _apply(self, batch: list[tuple[TaskLaunch, Event]]) -> None:
+        decided: list[tuple[TaskLaunch, tuple[Effect, ...]]] = []
+        for launch, event in batch:
+            try:
+                new_state, effects = step(launch.state, event)
+            except Exception as exc:
+                # Never a future left unresolved: the run ends Failed, saying why.
+                logger.exception("Task run %s: no step for %r", launch.task_run.name, event)
+                new_state, effects = step(launch.state, launch_failed("The runner failed", exc))
+            self._take_in(launch, event)
+            launch.state = new_state
+            decided.append((launch, effects))
+        for launch, effects in decided:
+            for effect in effects:
+                try:
+                    launch.in_context(self._carry_out, launch, effect)
+                except Exception:
+                    logger.warning(
+                        "Task run %s: %r failed", launch.task_run.name, effect, exc_info=True
+                    )
+
+    @staticmethod
+    def _take_in(launch: TaskLaunch, event: Event) -> None:
+        """What an event brings besides the state: the pods' inputs, the started pod's
+        backend and manifest, the pod's own view of the task run."""
+        if isinstance(event, Prepared) and launch.inputs is None:
+            launch.inputs = event.inputs
+            if event.earlier is not None and event.earlier.backend is not None:
+                launch.backend = event.earlier.backend
+        elif isinstance(event, Started) and event.job_id == launch.state.job_id:
+            launch.backend = event.backend
+            launch.manifest = event.manifest
+        elif (
+            isinstance(event, PodEnded)
+            and event.task_run is not None
+            and event.job_id == launch.state.job_id
+            and not launch.state.done
+        ):
+            launch.task_run = event.task_run
+
+    # -- effects ------------------------------------------------------------------
+
+    def _carry_out(self, launch: TaskLaunch, effect: Effect) -> None:
+        match effect:
+            case Record(state=state):
+                prefect_bridge.report_state(launch.task_run, state)
+            case RecordAwaitingRetry(delay=delay, note=note):
+                waiting = prefect_bridge.awaiting_retry(delay, note)
+                prefect_bridge.report_state(launch.task_run, waiting)
+            case Resolve(state=state):
+                if not launch.future.done():
+                    launch.future.set_result(state)
+            case ShowPending(reason=reason):
+                message = pending_message(launch.state.job_id, reason)
+                prefect_bridge.report_state(launch.task_run, Pending(message=message))
+            case WakeAfter(delay=delay, job_id=job_id, note=note):
+                logger.info(
+                    "Task run %s: %s; relaunching as %s in %.1fs",
+                    launch.task_run.name,
+                    note,
+                    job_id,
+                    delay,
+                )
+                due = time.monotonic() + delay
+                heapq.heappush(self._timers, (due, next(self._order), launch, RetryDue(job_id)))
+            case Launch():
+                first = launch.state.pods_launched == 0 and len(launch.state.job_ids) == 1
+                what = "Could not launch the pod" if first else "Could not relaunch the pod"
+                self._io_task(launch, what, self._actions.launch_attempt, launch)
+            case Adopt(job_id=job_id):
+                what = f"Could not reattach to pod {job_id}"
+                self._io_task(launch, what, self._actions.adopt, launch, job_id)
+            case StopPod(job_id=job_id):
+                self._io_task(launch, None, self._actions.stop_pod, launch, job_id)
+
+    def _io_task(self, launch: TaskLaunch, what: str | None, fn: Any, *args: Any) -> None:
+        """Run `fn` on the I/O pool in the flow's context. A failure ends the task run,
+        saying `what` failed (when `what` is None it is only logged)."""
+
+        def run() -> None:
+            try:
+                launch.in_context(fn, *args)
+            except BaseException as exc:
+                if what is None:
+                    logger.warning("%s failed for %s", fn.__name__, args[-1], exc_info=True)
+                    return
+                logger.debug("%s for %s", what, launch.state.job_id, exc_info=True)
+                self.post(launch, launch_failed(what, exc))
+
+        with self._lock:
+            io = self._io
+            if io is not None:
+                done = io.submit(run)
+                self._in_flight.add(done)
+        if io is None:  # closing: done here rather than dropped
+            run()
+        else:
+            done.add_done_callback(self._landed)
+
+    def _landed(self, done: concurrent.futures.Future[None]) -> None:
+        with self._lock:
+            self._in_flight.discard(done)
