@@ -57,7 +57,6 @@ logger = get_logger("kinetic_prefect.runner.run_loop")
 # Launches, adoptions and pod stops in flight at once; what waits (upstreams, retry
 # delays, pods) holds none of them.
 IO_THREADS = 8
-IO_THREAD_PREFIX = "kinetic-io"
 
 
 class PodActions(Protocol):
@@ -70,11 +69,16 @@ class PodActions(Protocol):
     def stop_pod(self, launch: TaskLaunch, job_id: str) -> None: ...
 
 
-_STOP = object()
+_DROP_TIMERS = object()
 
 
 class RunLoop:
-    """Applies task-run events one at a time; see the module docstring."""
+    """Applies task-run events one at a time; see the module docstring.
+
+    The loop's thread lives while there is work: a post starts it, and it ends once
+    nothing is queued and no retry deadline is pending. A runner that is closed, or
+    entered again, or a pod that ends after its runner closed, needs nothing more.
+    """
 
     def __init__(self, actions: PodActions) -> None:
         self._actions = actions
@@ -82,6 +86,9 @@ class RunLoop:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._io: concurrent.futures.ThreadPoolExecutor | None = None
+        self._closed = False
+        # Marks the loop's own thread and its I/O threads (not another runner's).
+        self._mine = threading.local()
         # Retry delays: (due, order, launch, event), the earliest first.
         self._timers: list[tuple[float, int, TaskLaunch, Event]] = []
         self._order = itertools.count()
@@ -97,31 +104,29 @@ class RunLoop:
         effect of them is carried out (a cancel of many task runs is seen by all of them
         before any future's callbacks run)."""
         batch = list(items)
-        if not batch:
-            return
+        if batch:
+            self._put(batch)
+
+    def open(self) -> None:
+        """Use the loop again after `close` (a runner entered again)."""
         with self._lock:
-            self._start()
-            self._queue.put(batch)
+            self._closed = False
 
     def close(self) -> None:
-        """Apply what was posted, then stop; a later post starts the loop again."""
+        """Apply what was posted, drop pending retry deadlines, and return once the
+        loop is idle (at once on the loop's own threads). A later post starts it again."""
         with self._lock:
-            thread, io = self._thread, self._io
-            self._thread = self._io = None
-            if thread is not None:
-                self._queue.put(_STOP)
-                # A later post starts a loop of its own: this one's stop is not for it.
-                self._queue = queue.SimpleQueue()
-        if thread is not None and thread is not threading.current_thread():
+            self._closed = True
+        self._put(_DROP_TIMERS)
+        with self._lock:
+            thread = self._thread
+        if thread is not None and not self.runs_on_current_thread():
             thread.join()
-        if io is not None:
-            io.shutdown(wait=False)
 
     def runs_on_current_thread(self) -> bool:
         """Whether this thread is the loop's or one of its I/O threads (a future's callback
         may run on either): waiting there for the loop would wait forever."""
-        current = threading.current_thread()
-        return current is self._thread or current.name.startswith(IO_THREAD_PREFIX)
+        return getattr(self._mine, "here", False)
 
     def wait_for_io(self) -> None:
         """Return once the launches, adoptions and stops asked for so far are done."""
@@ -129,36 +134,63 @@ class RunLoop:
             in_flight = list(self._in_flight)
         concurrent.futures.wait(in_flight)
 
-    def _start(self) -> None:
-        if self._thread is None:
-            self._io = concurrent.futures.ThreadPoolExecutor(
-                max_workers=IO_THREADS, thread_name_prefix=IO_THREAD_PREFIX
-            )
-            self._thread = threading.Thread(
-                target=self._run, args=(self._queue,), name="kinetic-run-loop", daemon=True
-            )
-            self._thread.start()
+    def _put(self, item: Any) -> None:
+        with self._lock:
+            self._queue.put(item)
+            if self._io is None:
+                self._io = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=IO_THREADS,
+                    thread_name_prefix="kinetic-io",
+                    initializer=self._mark_mine,
+                )
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="kinetic-run-loop", daemon=True
+                )
+                self._thread.start()
+
+    def _mark_mine(self) -> None:
+        self._mine.here = True
+
+    def _idle(self) -> bool:
+        """Whether the thread may end (under the lock, so a post then starts another);
+        once the loop was closed, its I/O pool goes with it."""
+        with self._lock:
+            if not self._queue.empty() or self._timers:
+                return False
+            self._thread = None
+            self._shut_io_if_done()
+            return True
+
+    def _shut_io_if_done(self) -> None:
+        """Once the loop was closed and is idle, its I/O pool goes too (under the lock)."""
+        if self._closed and self._thread is None and not self._in_flight and self._io:
+            self._io.shutdown(wait=False)
+            self._io = None
 
     # -- the loop -----------------------------------------------------------------
 
-    def _run(self, events: queue.SimpleQueue[Any]) -> None:
+    def _run(self) -> None:
+        self._mark_mine()
         while True:
             try:
-                item = events.get(timeout=self._until_next_timer())
+                item = self._queue.get(timeout=self._until_next_timer())
             except queue.Empty:
-                item = []
-            if item is _STOP:
-                return
-            if item:
+                item = None
+            if item is _DROP_TIMERS:
+                self._timers.clear()
+            elif item:
                 self._apply(item)
             # Checked after every event too: a steady stream of them starves no deadline.
             due = self._due_timers()
             if due:
                 self._apply(due)
+            if item is None and self._idle():
+                return
 
-    def _until_next_timer(self) -> float | None:
+    def _until_next_timer(self) -> float:
         if not self._timers:
-            return None
+            return 0.0
         return max(0.0, self._timers[0][0] - time.monotonic())
 
     def _due_timers(self) -> list[tuple[TaskLaunch, Event]]:
@@ -271,3 +303,4 @@ class RunLoop:
     def _landed(self, done: concurrent.futures.Future[None]) -> None:
         with self._lock:
             self._in_flight.discard(done)
+            self._shut_io_if_done()

@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import contextvars
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -204,17 +205,15 @@ def test_cancel_all_matches_thread_pool_runner_refusing_submit():
             runner.submit(plus_one, {"x": 1})
 
 
-def test_a_future_resolves_once_whoever_gets_there_first():
-    """Eight threads post a hundred endings of one task run: the first the loop applies is
-    recorded and resolves the future; every later one finds the run ended."""
+def _bare_launch(name: str = "t") -> TaskLaunch:
+    """A task run's launch with what the loop reads, for driving the loop directly."""
     from prefect.client.schemas.objects import TaskRun
 
-    from kinetic_prefect.runner.run_loop import RunLoop
-    from kinetic_prefect.runner.run_state import Conclude, RunState
+    from kinetic_prefect.runner.run_state import RunState
 
-    launch = TaskLaunch(
+    return TaskLaunch(
         task=None,
-        task_run=TaskRun(task_key="t", dynamic_key="0"),
+        task_run=TaskRun(task_key=name, dynamic_key="0"),
         future=concurrent.futures.Future(),
         settings=None,  # type: ignore[arg-type]
         accelerator=None,  # type: ignore[arg-type]
@@ -222,8 +221,17 @@ def test_a_future_resolves_once_whoever_gets_there_first():
         output_dir="",
         context=contextvars.copy_context(),
         serialized_context={},
-        state=RunState(job_ids=("kp-t-0",), retries=0, preemption_retries=0),
+        state=RunState(job_ids=(f"kp-{name}-0",), retries=0, preemption_retries=0),
     )
+
+
+def test_a_future_resolves_once_whoever_gets_there_first():
+    """Eight threads post a hundred endings of one task run: the first the loop applies is
+    recorded and resolves the future; every later one finds the run ended."""
+    from kinetic_prefect.runner.run_loop import RunLoop
+    from kinetic_prefect.runner.run_state import Conclude
+
+    launch = _bare_launch()
     endings = [Completed(data=n) for n in range(100)]
     loop = RunLoop(actions=None)  # type: ignore[arg-type]
     try:
@@ -236,6 +244,27 @@ def test_a_future_resolves_once_whoever_gets_there_first():
     assert resolved in endings
     assert launch.state.final is resolved
     assert launch.task_run.state is resolved, "recorded once, and never replaced"
+
+
+def test_the_loop_holds_no_thread_once_idle_after_close_and_after_a_late_post():
+    """A loop's thread ends once nothing is queued: `close` returns after it, and a post
+    after `close` (a pod that ended late) is applied by a thread that ends too."""
+    from kinetic_prefect.runner.run_loop import RunLoop
+    from kinetic_prefect.runner.run_state import Conclude
+
+    loop = RunLoop(actions=None)  # type: ignore[arg-type]
+    applied_on: list[threading.Thread] = []
+    for name in ("before", "late"):
+        launch = _bare_launch(name)
+        launch.future.add_done_callback(lambda _: applied_on.append(threading.current_thread()))
+        loop.post(launch, Conclude(Completed(data=name)))
+        assert launch.future.result(timeout=30).data == name
+        if name == "before":
+            loop.close()
+            assert not applied_on[0].is_alive(), "close returns once the loop's thread ended"
+    wait_until(lambda: not applied_on[1].is_alive(), 30, "the late post's thread to end")
+    assert applied_on[0] is not applied_on[1]
+    assert all(thread.name == "kinetic-run-loop" for thread in applied_on)
 
 
 def _wait_for_forms(runner: object) -> list[object]:

@@ -51,8 +51,32 @@ def test_twenty_flows_left_unfinished_in_mixed_shapes_leave_no_task_run_unfinish
         states = {str(i): _task_run_states(i) for i in flow_run_ids}
         return {i: s for i, s in states.items() if set(s) != {"CANCELLED"}}
 
-    wait_until(lambda: not unfinished(), CANCEL_GRACE + 30, "every task run to be Cancelled")
+    wait_until(
+        lambda: not unfinished(),
+        CANCEL_GRACE + 30,
+        "every task run to be Cancelled",
+        left=lambda: _histories(unfinished()),
+    )
     assert sum(len(_task_run_states(i)) for i in flow_run_ids) == 10 * 3 + 10 * 6
+
+
+def _histories(flow_run_ids: object) -> dict[str, list[str]]:
+    """Each task run of these flow runs with the states it went through, for a failure."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=list(flow_run_ids)))  # type: ignore[call-overload]
+        )
+        return {
+            f"{run.name} {run.id}": [
+                f"{s.timestamp:%H:%M:%S.%f} {s.type.value} {s.name} {s.message or ''}"
+                for s in client.read_task_run_states(run.id)
+            ]
+            for run in runs
+            if run.state is None or run.state.type.value != "CANCELLED"
+        }
 
 
 def test_thirty_tasks_run_without_crashing():
