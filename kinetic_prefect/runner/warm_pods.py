@@ -36,7 +36,7 @@ retires that pod.
 Finite capacity. No new pod of a spec starts while one of them waits for capacity
 (nodes of its kind busy): the task runs waiting for a pod go to the pods that run.
 Without `max_parallel`, new pods of a spec also start in a slow start: at most as
-many pods that have not yet ended a task as pods that have (and at least `RAMP`).
+many pods that have not yet ended a task as pods that have (and at least `warm_policy.RAMP`).
 A pod idle with nothing of its spec waiting, while another pod of its spec waits for
 capacity, ends at once and gives its node to that pod, whose task would otherwise
 wait for the idle pod's idle time.
@@ -74,8 +74,9 @@ from kinetic_prefect.launch.manifest import (
 )
 from kinetic_prefect.launch.pod_secrets import PodSecrets
 from kinetic_prefect.launch.slices import build_workload
-from kinetic_prefect.runner import prefect_engine
+from kinetic_prefect.runner import prefect_engine, warm_policy
 from kinetic_prefect.runner.run_state import Event, Started, Unstarted
+from kinetic_prefect.runner.warm_policy import PodView, WaitingAttempt
 
 if TYPE_CHECKING:
     from kinetic_prefect.launch.accelerators import Accelerator
@@ -86,8 +87,6 @@ logger = get_logger("kinetic_prefect.runner.warm_pods")
 # Env that differs between task runs of one pod spec (the rest of the per-task env,
 # job id and output dir, comes from LaunchSpec fields blanked in `spec_key`).
 _PER_TASK_ENV = (ATTEMPT_ENV,)
-# Pods of a spec that may be starting (no task ended yet) however few pods have run one.
-RAMP = 4
 
 OnEnd = Callable[["TaskLaunch", PodExit], None]
 OnPending = Callable[["TaskLaunch", str], None]
@@ -217,24 +216,24 @@ class WarmPod:
     def warm_dir(self) -> str:
         return layout.warm_dir(self.pod_id)
 
-    def may_queue(self, key: str) -> bool:
-        """Busy running a task of this spec, nothing queued, and known to run (it has ended
-        a task): it can take the next ones as it ends its task. A pod still starting could
-        hold them for as long as its start takes while pods that run go idle."""
-        return (
-            self.placement is not None
-            and not self.queued
-            and self.proven
-            and self.key == key
-            and not (self.retiring or self.ended or self.capacity_wait or self.handover_failed)
+    def view(self) -> PodView:
+        """What the placement policy reads of the pod."""
+        return PodView(
+            pod_id=self.pod_id,
+            key=self.key,
+            backend=id(self.backend),
+            busy=self.placement is not None,
+            busy_since=self.busy_since,
+            idle_since=self.idle_since,
+            idle_window=self.idle_seconds - warm.reuse_margin(self.store.uri("")),
+            queued=len(self.queued),
+            proven=self.proven,
+            leaving=self.retiring or self.ended,
+            ended=self.ended,
+            capacity_wait=self.capacity_wait,
+            given_a_node=self.given_a_node,
+            handover_failed=self.handover_failed,
         )
-
-    def usable_for(self, key: str, now: float) -> bool:
-        """Idle, of this spec, and not about to idle out."""
-        if self.placement is not None or self.retiring or self.ended or self.key != key:
-            return False
-        margin = warm.reuse_margin(self.store.uri(""))
-        return self.idle_since is not None and now - self.idle_since < self.idle_seconds - margin
 
 
 def capacity(backend: Backend) -> int | None:
@@ -397,7 +396,10 @@ class WarmPods:
     def make_room(self, backend: Backend) -> None:
         """Before a cold pod: retire an idle warm pod if they fill every slot."""
         with self._lock:
-            victim = self._retirable(backend) if not self._has_room(backend) else None
+            views = [pod.view() for pod in self._pods]
+            room = warm_policy.has_room(views, id(backend), capacity(backend))
+            chosen = None if room else warm_policy.retirable(views, id(backend))
+            victim = next((p for p in self._pods if chosen and p.pod_id == chosen.pod_id), None)
             if victim is not None:
                 victim.retiring = True
         if victim is not None:
@@ -427,52 +429,42 @@ class WarmPods:
             None,
         )
 
-    def _live_on(self, backend: Backend) -> int:
-        return sum(1 for p in self._pods if p.backend is backend and not p.ended)
-
-    def _has_room(self, backend: Backend) -> bool:
-        limit = capacity(backend)
-        return limit is None or self._live_on(backend) < limit
-
-    def _retirable(self, backend: Backend) -> WarmPod | None:
-        idle = [
-            p
-            for p in self._pods
-            if p.backend is backend and p.placement is None and not p.retiring and not p.ended
-        ]
-        return min(idle, key=lambda p: p.idle_since or 0.0) if idle else None
-
     def _schedule(self) -> None:
         actions = _Actions()
         now = time.monotonic()
         with self._lock:
-            # Idle pods go to waiting task runs of their own spec first, whatever the order.
             for placement in list(self._waiting):
                 if placement.launch.cancelled or placement.launch.future.done():
                     self._waiting.remove(placement)
-                    continue
-                pod = next((p for p in self._pods if p.usable_for(placement.key, now)), None)
-                if pod is not None:
-                    self._waiting.remove(placement)
-                    pod.sequence += 1
-                    pod.current = pod.sequence
-                    pod.accepted = False
-                    pod.idle_since = None
-                    self._busy(pod, placement, now)
-                    actions.hand.append((pod, pod.current, placement))
-            # Then a new pod where there is room, or in place of an idle pod nobody wants.
-            for placement in list(self._waiting):
-                if not self._may_grow(placement):
-                    continue  # pods of its spec are starting or waiting for capacity
-                if not self._has_room(placement.backend):
-                    victim = self._retirable(placement.backend)
-                    if victim is None:
-                        continue  # wait for a pod of this backend to free up
-                    victim.retiring = True
-                    actions.retire.append(victim)
+            pods = {pod.pod_id: pod for pod in self._pods}
+            waiting = {placement.launch.job_id: placement for placement in self._waiting}
+            backends = [p.backend for p in self._pods] + [p.backend for p in self._waiting]
+            decided = warm_policy.plan(
+                [pod.view() for pod in self._pods],
+                [WaitingAttempt(job_id, p.key, id(p.backend)) for job_id, p in waiting.items()],
+                {id(backend): capacity(backend) for backend in backends},
+                now,
+                max_batch=warm.MAX_BATCH,
+            )
+            for pod_id in decided.retire:
+                pods[pod_id].retiring = True
+                actions.retire.append(pods[pod_id])
+            for pod_id in decided.given_a_node:
+                pods[pod_id].given_a_node = True
+            for pod_id, job_id in decided.hand:
+                pod, placement = pods[pod_id], waiting[job_id]
+                self._waiting.remove(placement)
+                pod.sequence += 1
+                pod.current = pod.sequence
+                pod.accepted = False
+                pod.idle_since = None
+                self._busy(pod, placement, now)
+                actions.hand.append((pod, pod.current, placement))
+            for job_id in decided.start:
+                placement = waiting[job_id]
                 self._waiting.remove(placement)
                 pod = WarmPod(
-                    pod_id=placement.launch.job_id,
+                    pod_id=job_id,
                     key=placement.key,
                     backend=placement.backend,
                     store=placement.store,
@@ -482,25 +474,13 @@ class WarmPods:
                 self._pods.append(pod)
                 self._busy(pod, placement, now)
                 actions.start.append((pod, placement))
-            # Then, for what still waits, the next task of a busy pod, so that it finds it
-            # as it ends its task.
-            for placement in list(self._waiting):
-                if placement not in self._waiting:
-                    continue  # in the batch of an earlier one
-                busy = [p for p in self._pods if p.may_queue(placement.key)]
-                if not busy:
-                    continue
-                # The pod whose task has run longest is likely to end it first.
-                pod = min(busy, key=lambda p: p.busy_since)
-                alike = [p for p in self._waiting if p.key == placement.key]
-                pods = sum(1 for p in self._pods if p.key == placement.key and not p.ended)
-                share = min(warm.MAX_BATCH, -(-len(alike) // max(pods, 1)))
-                pod.queued = alike[:share]
+            for pod_id, job_ids in decided.queue:
+                pod = pods[pod_id]
+                pod.queued = [waiting[job_id] for job_id in job_ids]
                 pod.sequence += 1
                 for queued in pod.queued:
                     self._waiting.remove(queued)
                 actions.batches.append((pod, pod.sequence, list(pod.queued)))
-            actions.retire.extend(self._make_room_for_waiting_pods())
         for victim in actions.retire:
             self._retire(victim)
         for pod, placement in actions.start:
@@ -509,43 +489,6 @@ class WarmPods:
             self._send(pod, sequence, [placement], queued=False)
         for pod, sequence, batch in actions.batches:
             self._send(pod, sequence, batch, queued=True)
-
-    def _may_grow(self, placement: Placement) -> bool:
-        """Whether a new pod of the placement's spec may start now (the module docstring)."""
-        key = placement.key
-        pods = [p for p in self._pods if p.key == key and not p.ended and not p.retiring]
-        if any(p.capacity_wait for p in pods):
-            return False
-        if capacity(placement.backend) is not None:
-            return True  # the user said how many pods may run at once
-        proven = sum(1 for p in pods if p.proven)
-        return len(pods) - proven < max(RAMP, proven)
-
-    def _make_room_for_waiting_pods(self) -> list[WarmPod]:
-        """Idle pods that end to give their node to a pod of their spec waiting for one."""
-        wanted = {p.key for p in self._waiting}
-        idle = [
-            p
-            for p in self._pods
-            if p.placement is None
-            and p.idle_since is not None
-            and p.key not in wanted
-            and not (p.retiring or p.ended)
-        ]
-        victims = []
-        for pod in idle:
-            waiting = next(
-                (
-                    p
-                    for p in self._pods
-                    if p.key == pod.key and p.capacity_wait and not p.given_a_node and not p.ended
-                ),
-                None,
-            )
-            if waiting is not None:
-                waiting.given_a_node = pod.retiring = True
-                victims.append(pod)
-        return victims
 
     def _busy(self, pod: WarmPod, placement: Placement, now: float) -> None:
         pod.placement = placement

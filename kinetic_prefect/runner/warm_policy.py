@@ -1,0 +1,174 @@
+"""Warm placement as a pure function: given the runner's warm pods and the attempts
+waiting for one, which pod takes which attempt, which attempts start pods of their own,
+and which pods end.
+
+`warm_pods.WarmPods` builds the views under its lock, asks `plan`, and carries the
+plan out; the rules are the module docstring of `warm_pods`, in this order:
+
+1. An idle pod of an attempt's spec takes it, unless it is about to idle out.
+2. Else a new pod starts for it where its backend has room (an idle pod nobody
+   wants ends to make room), unless pods of its spec are starting in a slow start
+   or one of them waits for capacity.
+3. Else it is queued on the busy pod of its spec that has run longest, once that
+   pod has ended a task and has nothing queued: the waiting attempts of the spec
+   shared among its pods, up to `max_batch` to a pod.
+4. An idle pod of a spec nobody waits for ends to give its node to a pod of its
+   spec that waits for capacity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+# Pods of a spec that may be starting (no task ended yet) however few pods have run one.
+RAMP = 4
+
+
+@dataclass(frozen=True)
+class PodView:
+    """What the policy reads of one warm pod."""
+
+    pod_id: str
+    key: str
+    backend: Hashable
+    busy: bool = True  # it runs a task (or is starting with one)
+    busy_since: float = 0.0
+    idle_since: float | None = None
+    # How long after `idle_since` it may still be handed a task: its idle time, less a
+    # margin for the hand-over (it could idle out meanwhile).
+    idle_window: float = 0.0
+    queued: int = 0
+    proven: bool = False  # it has ended a task: it runs
+    leaving: bool = False  # retiring or ended: it takes nothing
+    ended: bool = False
+    capacity_wait: bool = False  # not yet running: the nodes of its kind are busy
+    given_a_node: bool = False
+    handover_failed: bool = False
+
+    def usable_for(self, key: str, now: float) -> bool:
+        """Idle, of this spec, and not about to idle out."""
+        if self.busy or self.idle_since is None or self.leaving or self.key != key:
+            return False
+        return now - self.idle_since < self.idle_window
+
+
+@dataclass(frozen=True)
+class WaitingAttempt:
+    job_id: str
+    key: str
+    backend: Hashable
+
+
+@dataclass(frozen=True)
+class Plan:
+    hand: tuple[tuple[str, str], ...] = ()  # (pod id, job id): an idle pod takes it
+    start: tuple[str, ...] = ()  # job ids that start a pod of their own
+    queue: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (busy pod id, job ids)
+    retire: tuple[str, ...] = ()  # pod ids that end
+    given_a_node: tuple[str, ...] = ()  # pods waiting for capacity an idle pod ends for
+
+
+def has_room(pods: Iterable[PodView], backend: Hashable, limit: int | None) -> bool:
+    """Whether another pod may start on `backend` (pods that are ending still count)."""
+    return limit is None or sum(1 for p in pods if p.backend == backend and not p.ended) < limit
+
+
+def retirable(pods: Iterable[PodView], backend: Hashable) -> PodView | None:
+    """The idle pod on `backend` that has idled longest, to end for a pod that needs room."""
+    idle = [p for p in pods if p.backend == backend and not p.busy and not p.leaving]
+    return min(idle, key=lambda p: p.idle_since or 0.0) if idle else None
+
+
+def plan(
+    pods: Sequence[PodView],
+    waiting: Sequence[WaitingAttempt],
+    capacity: Mapping[Hashable, int | None],
+    now: float,
+    *,
+    max_batch: int,
+    ramp: int = RAMP,
+) -> Plan:
+    """The next placements (see the module docstring); `capacity`: pods a backend may
+    run at once (None: no limit), keyed like `PodView.backend`."""
+    live = {pod.pod_id: pod for pod in pods}
+    left = list(waiting)
+    hand: list[tuple[str, str]] = []
+    start: list[str] = []
+    queue: list[tuple[str, tuple[str, ...]]] = []
+    retire: list[str] = []
+
+    def update(pod: PodView, **changes: object) -> None:
+        live[pod.pod_id] = dataclasses.replace(pod, **changes)  # type: ignore[arg-type]
+
+    def may_grow(attempt: WaitingAttempt) -> bool:
+        alike = [p for p in live.values() if p.key == attempt.key and not p.leaving]
+        if any(p.capacity_wait for p in alike):
+            return False
+        if capacity.get(attempt.backend) is not None:
+            return True  # the user said how many pods may run at once
+        proven = sum(1 for p in alike if p.proven)
+        return len(alike) - proven < max(ramp, proven)
+
+    for attempt in list(left):
+        idle = next((p for p in live.values() if p.usable_for(attempt.key, now)), None)
+        if idle is not None:
+            left.remove(attempt)
+            update(idle, busy=True, idle_since=None, busy_since=now)
+            hand.append((idle.pod_id, attempt.job_id))
+
+    for attempt in list(left):
+        if not may_grow(attempt):
+            continue
+        if not has_room(live.values(), attempt.backend, capacity.get(attempt.backend)):
+            victim = retirable(live.values(), attempt.backend)
+            if victim is None:
+                continue  # wait for a pod of this backend to free up
+            update(victim, leaving=True)
+            retire.append(victim.pod_id)
+        left.remove(attempt)
+        live[attempt.job_id] = PodView(attempt.job_id, attempt.key, attempt.backend, True, now)
+        start.append(attempt.job_id)
+
+    for attempt in list(left):
+        if attempt not in left:
+            continue  # in the batch of an earlier one
+        busy = [
+            p
+            for p in live.values()
+            if p.key == attempt.key
+            and p.busy
+            and p.proven
+            and not (p.queued or p.leaving or p.capacity_wait or p.handover_failed)
+        ]
+        if not busy:
+            continue
+        pod = min(busy, key=lambda p: p.busy_since)  # likely to end its task first
+        alike = [a for a in left if a.key == attempt.key]
+        pods_of_spec = sum(1 for p in live.values() if p.key == attempt.key and not p.ended)
+        share = alike[: min(max_batch, -(-len(alike) // max(pods_of_spec, 1)))]
+        for queued in share:
+            left.remove(queued)
+        update(pod, queued=len(share))
+        queue.append((pod.pod_id, tuple(a.job_id for a in share)))
+
+    wanted = {a.key for a in left}
+    given: list[str] = []
+    for pod in list(live.values()):
+        if pod.busy or pod.idle_since is None or pod.key in wanted or pod.leaving:
+            continue
+        starving = next(
+            (
+                p
+                for p in live.values()
+                if p.key == pod.key and p.capacity_wait and not p.given_a_node and not p.ended
+            ),
+            None,
+        )
+        if starving is not None:
+            update(starving, given_a_node=True)
+            update(pod, leaving=True)
+            given.append(starving.pod_id)
+            retire.append(pod.pod_id)
+    return Plan(tuple(hand), tuple(start), tuple(queue), tuple(retire), tuple(given))
