@@ -387,8 +387,10 @@ class Launcher:
         if outcome.job_id != state.job_id:
             return
         next_job_id = make_job_id(launch.task.name)
-        if state.done:  # a late pod: nothing to read, the runner's word is recorded again
-            late = AttemptEnd(launch.future.result(), reported_by_pod=False)
+        if state.done and state.final is not None:
+            # A late pod: nothing to read, the runner's word is recorded again. (From the
+            # state, not the future: this may run before the loop has resolved it.)
+            late = AttemptEnd(state.final, reported_by_pod=False)
             self.post(launch, PodEnded(outcome.job_id, late, next_job_id))
             return
         assert launch.inputs is not None
@@ -448,6 +450,11 @@ class Launcher:
     def cancel(self, launch: TaskLaunch, message: str = CANCELLED_ON_EXIT) -> None:
         """Stop the task run: no further pod, the running one stopped, the future Cancelled."""
         self.cancel_many([launch], message)
+
+    def open(self) -> None:
+        """Take work again after `close` (a runner entered again)."""
+        self.resources.warm_pods.open()
+        self.loop.open()
 
     def close(self) -> None:
         """Close the backends (their pods' last events are applied), then the loop."""

@@ -34,6 +34,7 @@ from kinetic_prefect.backends.base import pending_message
 from kinetic_prefect.runner import prefect_engine as prefect_bridge
 from kinetic_prefect.runner.run_state import (
     Adopt,
+    Cancel,
     Effect,
     Event,
     Launch,
@@ -69,7 +70,8 @@ class PodActions(Protocol):
     def stop_pod(self, launch: TaskLaunch, job_id: str) -> None: ...
 
 
-_DROP_TIMERS = object()
+_CLOSING = object()
+CLOSED_WHILE_WAITING = "The runner closed while the task run waited to be retried."
 
 
 class RunLoop:
@@ -113,11 +115,11 @@ class RunLoop:
             self._closed = False
 
     def close(self) -> None:
-        """Apply what was posted, drop pending retry deadlines, and return once the
-        loop is idle (at once on the loop's own threads). A later post starts it again."""
+        """Apply what was posted, cancel the task runs waiting to be retried, and return
+        once the loop is idle (at once on the loop's own threads). A later post starts it again."""
         with self._lock:
             self._closed = True
-        self._put(_DROP_TIMERS)
+        self._put(_CLOSING)
         with self._lock:
             thread = self._thread
         if thread is not None and not self.runs_on_current_thread():
@@ -172,13 +174,31 @@ class RunLoop:
 
     def _run(self) -> None:
         self._mark_mine()
+        try:
+            self._serve()
+        finally:
+            # However the thread ends, the next post starts another (none is lost).
+            with self._lock:
+                if self._thread is threading.current_thread():
+                    self._thread = None
+                    self._shut_io_if_done()
+                again = self._thread is None and not self._queue.empty()
+            if again:
+                self._put([])
+
+    def _serve(self) -> None:
         while True:
             try:
                 item = self._queue.get(timeout=self._until_next_timer())
             except queue.Empty:
                 item = None
-            if item is _DROP_TIMERS:
+            if item is _CLOSING:
+                # No retry is waiting once the runner closes: each such run ends Cancelled.
+                waiting: list[tuple[TaskLaunch, Event]] = [
+                    (launch, Cancel(CLOSED_WHILE_WAITING)) for *_, launch, _ in self._timers
+                ]
                 self._timers.clear()
+                self._apply(waiting)
             elif item:
                 self._apply(item)
             # Checked after every event too: a steady stream of them starves no deadline.
@@ -217,7 +237,7 @@ class RunLoop:
             for effect in effects:
                 try:
                     launch.in_context(self._carry_out, launch, effect)
-                except Exception:
+                except BaseException:  # a future's callback may raise anything
                     logger.warning(
                         "Task run %s: %r failed", launch.task_run.name, effect, exc_info=True
                     )
@@ -291,14 +311,21 @@ class RunLoop:
                 self.post(launch, launch_failed(what, exc))
 
         with self._lock:
-            io = self._io
-            if io is not None:
-                done = io.submit(run)
+            # The pool exists while the loop's thread runs, which is where effects are
+            # carried out; an interpreter shutting down may still refuse the work.
+            assert self._io is not None
+            try:
+                done = self._io.submit(run)
+            except RuntimeError as exc:
+                refused: RuntimeError | None = exc
+            else:
+                refused = None
                 self._in_flight.add(done)
-        if io is None:  # closing: done here rather than dropped
-            run()
-        else:
-            done.add_done_callback(self._landed)
+        if refused is not None:
+            if what is not None:
+                self.post(launch, launch_failed(what, refused))
+            return
+        done.add_done_callback(self._landed)
 
     def _landed(self, done: concurrent.futures.Future[None]) -> None:
         with self._lock:

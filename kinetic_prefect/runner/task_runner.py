@@ -278,7 +278,7 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
         super().__enter__()
         with self._lock:
             self._cancelled_all = False
-        self._launcher.loop.open()
+        self._launcher.open()
         return self
 
     def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> None:

@@ -405,6 +405,11 @@ class WarmPods:
         if victim is not None:
             self._retire(victim)
 
+    def open(self) -> None:
+        """Take work again after `close` (a runner entered again)."""
+        with self._lock:
+            self._closed = False
+
     def close(self) -> None:
         """Stop handing out work; the backends end the pods when they close."""
         with self._lock:
@@ -552,6 +557,9 @@ class WarmPods:
             launch.in_context(placement.on_end, launch, failed)
             self._schedule()
             return
+        if launch.cancelled:
+            # Cancelled while the Job was being created: the stop may have come before it.
+            placement.backend.cancel(pod.pod_id)
         self._watch()
         self._schedule()  # what waits for it may be handed to it now
 

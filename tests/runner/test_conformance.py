@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextvars
+import dataclasses
 import os
 import threading
 import time
@@ -265,6 +266,50 @@ def test_the_loop_holds_no_thread_once_idle_after_close_and_after_a_late_post():
     wait_until(lambda: not applied_on[1].is_alive(), 30, "the late post's thread to end")
     assert applied_on[0] is not applied_on[1]
     assert all(thread.name == "kinetic-run-loop" for thread in applied_on)
+
+
+def test_a_callback_that_raises_anything_leaves_the_loop_applying_events():
+    """A future's done callback runs on the loop's thread; one raising `SystemExit` is
+    logged, and the next task run's event is applied all the same."""
+    from kinetic_prefect.runner.run_loop import RunLoop
+    from kinetic_prefect.runner.run_state import Conclude
+
+    loop = RunLoop(actions=None)  # type: ignore[arg-type]
+    first, second = _bare_launch("first"), _bare_launch("second")
+
+    def leave(_: object) -> None:
+        raise SystemExit(3)
+
+    first.future.add_done_callback(leave)
+    try:
+        loop.post(first, Conclude(Completed(data=1)))
+        loop.post(second, Conclude(Completed(data=2)))
+        assert second.future.result(timeout=30).data == 2
+    finally:
+        loop.close()
+
+
+def test_closing_the_loop_cancels_a_task_run_waiting_to_be_retried():
+    """A retry due in ten minutes: `close` does not wait for it, and the run ends Cancelled
+    rather than waiting for a loop that is gone."""
+    from prefect.states import AwaitingRetry
+
+    from kinetic_prefect.runner.attempt_end import AttemptEnd
+    from kinetic_prefect.runner.run_loop import CLOSED_WHILE_WAITING, RunLoop
+    from kinetic_prefect.runner.run_state import Phase, PodEnded
+
+    launch = _bare_launch("retried")
+    launch.state = dataclasses.replace(launch.state, phase=Phase.RUNNING, retries=1)
+    loop = RunLoop(actions=None)  # type: ignore[arg-type]
+    retrying = AttemptEnd(AwaitingRetry(), reported_by_pod=True)
+    loop.post(launch, PodEnded("kp-retried-0", retrying, "kp-retried-1", retry_delay=600))
+    wait_until(lambda: launch.state.phase is Phase.AWAITING_RETRY, 30, "the retry to wait")
+    started = time.monotonic()
+    loop.close()
+
+    assert time.monotonic() - started < 300, "close waited for the retry's delay"
+    cancelled = launch.future.result(timeout=0)
+    assert cancelled.is_cancelled() and cancelled.message == CLOSED_WHILE_WAITING
 
 
 def _wait_for_forms(runner: object) -> list[object]:
