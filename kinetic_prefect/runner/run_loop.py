@@ -5,11 +5,14 @@ cancels and the flow's exit only `post` events to it; for each, in the order
 posted, the loop asks `run_state.step` for the task run's next state, stores
 it, and carries out the effects:
 
-- recording a state in Prefect, resolving the future and showing why a pod
-  waits are done on the loop (a state is recorded as an event Prefect's events
-  client sends on, so none of them waits on the network);
+- recording a state in Prefect and showing why a pod waits are done on the loop
+  (a state is recorded as an event Prefect's events client sends on, so neither
+  waits on the network);
 - launching, adopting and stopping pods are I/O: they run on the loop's pool of
   `IO_THREADS` threads, and what they learn comes back as events;
+- resolving a future runs on that pool too, after the state is stored and
+  recorded: the future's done callbacks run there, as on a thread pool's worker,
+  so a callback that waits for another task run of this runner holds up no event;
 - a retry's delay is a deadline the loop keeps: waiting holds no thread.
 
 No other module assigns a `TaskLaunch` field (`tests/unit/test_run_loop.py`
@@ -271,8 +274,7 @@ class RunLoop:
                 waiting = prefect_bridge.awaiting_retry(delay, note)
                 prefect_bridge.report_state(launch.task_run, waiting)
             case Resolve(state=state):
-                if not launch.future.done():
-                    launch.future.set_result(state)
+                self._io_task(launch, None, self._resolve, launch, state)
             case ShowPending(reason=reason):
                 message = pending_message(launch.state.job_id, reason)
                 prefect_bridge.report_state(launch.task_run, Pending(message=message))
@@ -326,6 +328,11 @@ class RunLoop:
                 self.post(launch, launch_failed(what, refused))
             return
         done.add_done_callback(self._landed)
+
+    @staticmethod
+    def _resolve(launch: TaskLaunch, state: Any) -> None:
+        if not launch.future.done():
+            launch.future.set_result(state)
 
     def _landed(self, done: concurrent.futures.Future[None]) -> None:
         with self._lock:

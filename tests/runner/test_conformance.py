@@ -249,23 +249,35 @@ def test_a_future_resolves_once_whoever_gets_there_first():
 
 def test_the_loop_holds_no_thread_once_idle_after_close_and_after_a_late_post():
     """A loop's thread ends once nothing is queued: `close` returns after it, and a post
-    after `close` (a pod that ended late) is applied by a thread that ends too."""
+    after `close` (a pod that ended late) is applied by a thread that ends too; the I/O
+    threads (which resolve the futures) end with them."""
     from kinetic_prefect.runner.run_loop import RunLoop
     from kinetic_prefect.runner.run_state import Conclude
 
+    before = set(threading.enumerate())
+
+    def loop_threads(*names: str) -> list[threading.Thread]:
+        return [
+            thread
+            for thread in threading.enumerate()
+            if thread not in before and thread.name.startswith(names)
+        ]
+
     loop = RunLoop(actions=None)  # type: ignore[arg-type]
-    applied_on: list[threading.Thread] = []
     for name in ("before", "late"):
         launch = _bare_launch(name)
-        launch.future.add_done_callback(lambda _: applied_on.append(threading.current_thread()))
         loop.post(launch, Conclude(Completed(data=name)))
         assert launch.future.result(timeout=30).data == name
         if name == "before":
+            assert loop_threads("kinetic-run-loop", "kinetic-io"), "the loop had threads"
             loop.close()
-            assert not applied_on[0].is_alive(), "close returns once the loop's thread ended"
-    wait_until(lambda: not applied_on[1].is_alive(), 30, "the late post's thread to end")
-    assert applied_on[0] is not applied_on[1]
-    assert all(thread.name == "kinetic-run-loop" for thread in applied_on)
+            assert loop_threads("kinetic-run-loop") == [], "close returns once the loop ended"
+        wait_until(
+            lambda: not loop_threads("kinetic-run-loop", "kinetic-io"),
+            30,
+            f"the loop's threads to end ({name} close)",
+            left=lambda: loop_threads("kinetic-run-loop", "kinetic-io"),
+        )
 
 
 def test_a_callback_that_raises_anything_leaves_the_loop_applying_events():
@@ -287,6 +299,26 @@ def test_a_callback_that_raises_anything_leaves_the_loop_applying_events():
         assert second.future.result(timeout=30).data == 2
     finally:
         loop.close()
+
+
+def test_a_done_callback_may_wait_for_another_task_run_of_the_runner():
+    """As on a thread pool's worker: the first run's callback waits for the second's
+    result, which the loop goes on to decide meanwhile."""
+    from kinetic_prefect.runner.run_loop import RunLoop
+    from kinetic_prefect.runner.run_state import Conclude
+
+    loop = RunLoop(actions=None)  # type: ignore[arg-type]
+    first, second = _bare_launch("first"), _bare_launch("second")
+    seen: list[object] = []
+    first.future.add_done_callback(lambda _: seen.append(second.future.result(timeout=30)))
+    try:
+        loop.post(first, Conclude(Completed(data=1)))
+        first.future.result(timeout=30)
+        loop.post(second, Conclude(Completed(data=2)))
+        wait_until(lambda: seen, 30, "the first run's callback to have the second's result")
+    finally:
+        loop.close()
+    assert [state.data for state in seen] == [2]  # type: ignore[attr-defined]
 
 
 def test_closing_the_loop_cancels_a_task_run_waiting_to_be_retried():
