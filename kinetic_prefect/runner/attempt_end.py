@@ -90,6 +90,18 @@ def after_silent_end(
     return CONCLUDE
 
 
+def ask_recorded_runs(*, retries: int, crashed: bool, preempted: bool, hosts: int) -> bool:
+    """Whether a silent end's engine runs are to be read from the API's run count.
+
+    A one-host pod's engine retries in-process, so it may have run the task several
+    times; the API counts them, and a relaunch depends on it (retries set, a crash that
+    was not a preemption). A slice's host 0 runs one attempt: its `Retrying` (a Running
+    state, so counted) may be recorded just before the attempt is ended for a lost host,
+    and was never run; one pod is one run there.
+    """
+    return bool(retries) and crashed and not preempted and hosts == 1
+
+
 def concluded_state(state: State[Any], cancelled: bool) -> State[Any]:
     """The state a silent end concludes with (`after_silent_end` said CONCLUDE).
 

@@ -64,7 +64,7 @@ from kinetic_prefect.launch.shipping import local_data_paths, ship_parameters
 from kinetic_prefect.launch.slices import build_workload
 from kinetic_prefect.runner import prefect_engine as prefect_bridge
 from kinetic_prefect.runner import result_check
-from kinetic_prefect.runner.attempt_end import AttemptEnd, read_attempt_end
+from kinetic_prefect.runner.attempt_end import AttemptEnd, ask_recorded_runs, read_attempt_end
 from kinetic_prefect.runner.reattach import Reattacher, identity_labels, reattached_state
 from kinetic_prefect.runner.resources import RunnerResources
 from kinetic_prefect.runner.run_loop import RunLoop
@@ -409,9 +409,12 @@ class Launcher:
             end = AttemptEnd(reattached_state(end.state, outcome.job_id), reported_by_pod=True)
         recorded_runs, delay, stopped = 0, end.retry_delay(), bool(outcome.cancelled)
         if not end.reported_by_pod:
-            if launch.task.retries and end.state.is_crashed() and not outcome.preempted:
-                # The pod may have run the task more than once (the engine's retries): ask
-                # the API, only when a relaunch depends on it.
+            if ask_recorded_runs(
+                retries=launch.task.retries,
+                crashed=end.state.is_crashed(),
+                preempted=bool(outcome.preempted),
+                hosts=launch.accelerator.hosts,
+            ):
                 recorded_runs = prefect_bridge.recorded_run_count(launch.task_run.id)
             delay = prefect_bridge.retry_delay(launch.task, runs_after(state, recorded_runs))
             # A flow run the lease marked over (its pods end themselves on SIGTERM, which

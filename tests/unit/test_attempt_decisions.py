@@ -11,6 +11,7 @@ from kinetic_prefect.runner.attempt_end import (
     RELAUNCH_PREEMPTED,
     RETRY,
     after_silent_end,
+    ask_recorded_runs,
     concluded_state,
 )
 
@@ -100,3 +101,30 @@ def test_a_silent_end_while_cancelling_concludes_cancelled(
     assert concluded.type == expected
     if expected != state.type:
         assert state.message is not None and state.message in (concluded.message or "")
+
+
+@pytest.mark.parametrize(
+    ("retries", "crashed", "preempted", "hosts", "ask"),
+    [
+        pytest.param(
+            2, True, False, 1, True, id="a crashed pod with retries: its engine may have retried"
+        ),
+        pytest.param(0, True, False, 1, False, id="no retries: nothing depends on the count"),
+        pytest.param(2, False, False, 1, False, id="not a crash: never relaunched"),
+        pytest.param(2, True, True, 1, False, id="preempted: its own budget"),
+        pytest.param(
+            1,
+            True,
+            False,
+            2,
+            False,
+            id="a slice: host 0 runs one attempt, its recorded Retrying never ran",
+        ),
+    ],
+)
+def test_when_the_api_run_count_decides_a_relaunch(
+    retries: int, crashed: bool, preempted: bool, hosts: int, ask: bool
+) -> None:
+    assert (
+        ask_recorded_runs(retries=retries, crashed=crashed, preempted=preempted, hosts=hosts) is ask
+    )
