@@ -65,7 +65,12 @@ from kinetic_prefect.launch.slices import build_workload
 from kinetic_prefect.runner import prefect_engine as prefect_bridge
 from kinetic_prefect.runner import result_check
 from kinetic_prefect.runner.attempt_end import AttemptEnd, ask_recorded_runs, read_attempt_end
-from kinetic_prefect.runner.reattach import Reattacher, identity_labels, reattached_state
+from kinetic_prefect.runner.reattach import (
+    Reattacher,
+    identity_labels,
+    reattached_state,
+    stop_earlier_pod,
+)
 from kinetic_prefect.runner.resources import RunnerResources
 from kinetic_prefect.runner.run_loop import RunLoop
 from kinetic_prefect.runner.run_state import (
@@ -280,7 +285,6 @@ class Launcher:
         """The attempt's payload: its bytes and sha256."""
         inputs = launch.inputs
         assert inputs is not None
-        launch.task_run.run_count = launch.state.runs_used
         payload = build_payload(
             {
                 # The engine in the pod retries exceptions with what is left of the budget,
@@ -289,7 +293,10 @@ class Launcher:
                     retries=launch.state.engine_retries,
                     result_storage=PodGcsBucket.standing_in_for(launch.task.result_storage),
                 ),
-                "task_run": launch.task_run,
+                # The runs so far, on a copy: the loop owns the run's own objects.
+                "task_run": launch.task_run.model_copy(
+                    update={"run_count": launch.state.runs_used}
+                ),
                 "parameters": inputs.parameters,
                 # Upstreams were resolved here already; the pod needs no futures.
                 "wait_for": None,
@@ -374,6 +381,17 @@ class Launcher:
         """Stop the task run's pod: taken from the warm pool, or its Job cancelled."""
         if not self.resources.warm_pods.cancel(launch) and launch.backend is not None:
             launch.backend.cancel(job_id)
+
+    def stop_earlier(self, launch: TaskLaunch, job_id: str) -> None:
+        """Stop a live pod of an earlier flow process that this ended run never took over."""
+        assert launch.backend is not None
+        logger.info(
+            "Task run %s ended before reattaching to pod %s of an earlier flow process: "
+            "stopping that pod",
+            launch.task_run.name,
+            job_id,
+        )
+        stop_earlier_pod(launch.backend, launch.settings.namespace, job_id)
 
     def on_pod_pending(self, launch: TaskLaunch, reason: str) -> None:
         """Show why the pod is not running yet as the task run's Pending message."""

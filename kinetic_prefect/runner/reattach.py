@@ -135,6 +135,19 @@ class Reattacher:
         return EarlierPod(newest.job_id, completed=reattached_state(end.state, newest.job_id))
 
 
+def stop_earlier_pod(
+    backend: Backend,
+    namespace: str,
+    job_id: str,
+    on_exit: Callable[[PodExit], None] = lambda outcome: None,
+) -> None:
+    """Stop a pod an earlier flow process launched, as a cancel would (SIGTERM, its grace,
+    then SIGKILL; on Kubernetes its Job deleted): watched first, so that the backend
+    knows it."""
+    backend.adopt(job_id, namespace, on_exit=on_exit)
+    backend.cancel(job_id)
+
+
 def _setter(event: threading.Event) -> Callable[[PodExit], None]:
     def on_exit(outcome: PodExit) -> None:
         event.set()
@@ -151,8 +164,7 @@ def _stop_and_wait(backend: Backend, namespace: str, pods: list[FoundPod], withi
             "resume from their checkpoints)",
             pod.job_id,
         )
-        backend.adopt(pod.job_id, namespace, on_exit=_setter(ended[pod.job_id]))
-        backend.cancel(pod.job_id)
+        stop_earlier_pod(backend, namespace, pod.job_id, on_exit=_setter(ended[pod.job_id]))
     deadline = time.monotonic() + within
     for job_id, event in ended.items():
         if not event.wait(max(0.0, deadline - time.monotonic())):

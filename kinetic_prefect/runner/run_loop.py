@@ -49,6 +49,7 @@ from kinetic_prefect.runner.run_state import (
     RetryDue,
     ShowPending,
     Started,
+    StopEarlier,
     StopPod,
     WakeAfter,
     launch_failed,
@@ -71,6 +72,8 @@ class PodActions(Protocol):
     def adopt(self, launch: TaskLaunch, job_id: str) -> None: ...
 
     def stop_pod(self, launch: TaskLaunch, job_id: str) -> None: ...
+
+    def stop_earlier(self, launch: TaskLaunch, job_id: str) -> None: ...
 
 
 _CLOSING = object()
@@ -297,6 +300,8 @@ class RunLoop:
                 self._io_task(launch, what, self._actions.adopt, launch, job_id)
             case StopPod(job_id=job_id):
                 self._io_task(launch, None, self._actions.stop_pod, launch, job_id)
+            case StopEarlier(job_id=job_id):
+                self._io_task(launch, None, self._actions.stop_earlier, launch, job_id)
 
     def _io_task(self, launch: TaskLaunch, what: str | None, fn: Any, *args: Any) -> None:
         """Run `fn` on the I/O pool in the flow's context. A failure ends the task run,

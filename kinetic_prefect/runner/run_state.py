@@ -230,6 +230,14 @@ class StopPod:
 
 
 @dataclass(frozen=True)
+class StopEarlier:
+    """Stop a live pod an earlier flow process launched, which this run will never take
+    over (it ended while it was being prepared)."""
+
+    job_id: str
+
+
+@dataclass(frozen=True)
 class WakeAfter:
     """Post `RetryDue(job_id)` after `delay` seconds (`note` says why, for the log)."""
 
@@ -243,7 +251,17 @@ class ShowPending:
     reason: str
 
 
-Effect = Record | RecordAwaitingRetry | Resolve | Launch | Adopt | StopPod | WakeAfter | ShowPending
+Effect = (
+    Record
+    | RecordAwaitingRetry
+    | Resolve
+    | Launch
+    | Adopt
+    | StopPod
+    | StopEarlier
+    | WakeAfter
+    | ShowPending
+)
 
 Step = tuple[RunState, tuple[Effect, ...]]
 
@@ -323,6 +341,10 @@ def step(state: RunState, event: Event) -> Step:
 
 def _prepared(state: RunState, cached: State[Any] | None, earlier: EarlierPod | None) -> Step:
     if state.done:
+        # Ended (cancelled) while it was being prepared: a live pod found for it meanwhile
+        # would otherwise run on, its lease renewed by this flow process.
+        if earlier is not None and earlier.completed is None:
+            return state, (StopEarlier(earlier.job_id),)
         return state, ()
     if cached is not None:
         return _conclude(state, cached)

@@ -439,7 +439,9 @@ class WarmPods:
         now = time.monotonic()
         with self._lock:
             for placement in list(self._waiting):
-                if placement.launch.cancelled or placement.launch.future.done():
+                # The run's state, not its future: the loop resolves the future later, on
+                # its I/O pool, and an ended run must not be handed to a pod meanwhile.
+                if placement.launch.state.done:
                     self._waiting.remove(placement)
             pods = {pod.pod_id: pod for pod in self._pods}
             waiting = {placement.launch.job_id: placement for placement in self._waiting}

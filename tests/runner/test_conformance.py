@@ -344,6 +344,46 @@ def test_closing_the_loop_cancels_a_task_run_waiting_to_be_retried():
     assert cancelled.is_cancelled() and cancelled.message == CLOSED_WHILE_WAITING
 
 
+class _StopsRecorded:
+    """The loop's pod actions, recording which pods it asks to stop and how."""
+
+    def __init__(self) -> None:
+        self.stopped: list[tuple[str, str]] = []
+
+    def launch_attempt(self, launch: TaskLaunch) -> None:
+        raise AssertionError("a cancelled run launched a pod")
+
+    def adopt(self, launch: TaskLaunch, job_id: str) -> None:
+        raise AssertionError(f"a cancelled run adopted {job_id}")
+
+    def stop_pod(self, launch: TaskLaunch, job_id: str) -> None:
+        self.stopped.append(("its own", job_id))
+
+    def stop_earlier(self, launch: TaskLaunch, job_id: str) -> None:
+        self.stopped.append(("earlier", job_id))
+
+
+def test_a_run_cancelled_while_it_found_an_earlier_live_pod_stops_that_pod():
+    """A cancel that lands after reattach found a live pod of an earlier flow process and
+    before the run was prepared: the run stays Cancelled and that pod is stopped, not left
+    to run on under this process's lease."""
+    from kinetic_prefect.runner.run_loop import RunLoop
+    from kinetic_prefect.runner.run_state import Cancel, EarlierPod, Prepared
+
+    launch = _bare_launch("raced")
+    actions = _StopsRecorded()
+    loop = RunLoop(actions=actions)  # type: ignore[arg-type]
+    try:
+        loop.post(launch, Cancel("the flow run was cancelled"))
+        loop.post(launch, Prepared(inputs=None, earlier=EarlierPod("kp-raced-earlier")))
+        assert launch.future.result(timeout=30).is_cancelled()
+        wait_until(lambda: actions.stopped, 30, "the earlier pod to be stopped")
+    finally:
+        loop.close()
+    assert actions.stopped == [("earlier", "kp-raced-earlier")]
+    assert launch.state.final is not None and launch.state.final.is_cancelled()
+
+
 def _wait_for_forms(runner: object) -> list[object]:
     @flow(task_runner=runner)
     def run() -> list[object]:

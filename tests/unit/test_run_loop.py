@@ -28,19 +28,26 @@ def _flatten(target: ast.expr) -> list[ast.expr]:
     return [target]
 
 
-def field_writes(source: str) -> list[str]:
-    """`launch.<field> = ...` (and `+=`, and through `x.launch`, and into a field's item)."""
-    found = []
-    for node in ast.walk(ast.parse(source)):
-        for target in _targets(node):
-            while isinstance(target, ast.Subscript):  # launch.job_ids[-1] = ...
-                target = target.value
-            if not isinstance(target, ast.Attribute) or target.attr not in FIELDS:
-                continue
+def _writes_a_field(target: ast.expr) -> bool:
+    """Whether `target` is a field of a launch, or anything inside one
+    (`launch.job_ids[-1]`, `launch.task_run.run_count`)."""
+    while isinstance(target, (ast.Subscript, ast.Attribute)):
+        if isinstance(target, ast.Attribute) and target.attr in FIELDS:
             receiver = ast.unparse(target.value)
             if receiver == "launch" or receiver.endswith(".launch"):
-                found.append(f"line {node.lineno}: {ast.unparse(target)}")
-    return found
+                return True
+        target = target.value
+    return False
+
+
+def field_writes(source: str) -> list[str]:
+    """`launch.<field> = ...` (and `+=`, through `x.launch`, into a field's item or attribute)."""
+    return [
+        f"line {node.lineno}: {ast.unparse(target)}"
+        for node in ast.walk(ast.parse(source))
+        for target in _targets(node)
+        if _writes_a_field(target)
+    ]
 
 
 def test_no_task_run_field_is_assigned_outside_the_loop() -> None:
@@ -62,11 +69,14 @@ launch.manifest["kind"] = "Job"
 a, launch.inputs = 1, 2
 pod.manifest = {}
 launch.not_a_field = 1
+launch.task_run.run_count = 2
+launch.not_a_field.task_run = 3
 """
     assert [line.split(": ")[1] for line in field_writes(source)] == [
         "launch.state",
         "launch.backend",
         "placement.launch.manifest",
-        "launch.manifest",
+        "launch.manifest['kind']",
         "launch.inputs",
+        "launch.task_run.run_count",
     ]

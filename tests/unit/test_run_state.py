@@ -132,6 +132,22 @@ ROWS = [
         id="prepared after a cancel: no pod",
     ),
     pytest.param(
+        ended_by_runner(),
+        Prepared(inputs=None, earlier=EarlierPod("kp-train-old")),
+        Phase.FINAL,
+        {"final": RUNNERS_CANCEL},
+        ["StopEarlier"],
+        id="an earlier live pod found after a cancel: stopped, not adopted",
+    ),
+    pytest.param(
+        ended_by_runner(),
+        Prepared(inputs=None, earlier=EarlierPod("kp-train-old", completed=COMPLETED)),
+        Phase.FINAL,
+        {"final": RUNNERS_CANCEL},
+        [],
+        id="an earlier ended pod found after a cancel: nothing to stop, the cancel stands",
+    ),
+    pytest.param(
         run(Phase.PREPARING),
         Conclude(Failed(message="Could not launch the pod: no quota")),
         Phase.FINAL,
@@ -431,6 +447,7 @@ EVENTS = [
     Prepared(inputs=None),
     Prepared(inputs=None, cached=COMPLETED),
     Prepared(inputs=None, earlier=EarlierPod("kp-train-old")),
+    Prepared(inputs=None, earlier=EarlierPod("kp-train-old", completed=COMPLETED)),
     Started(JOB, None, {}),
     Unstarted(JOB),
     PodPending(JOB, "waiting"),
@@ -464,6 +481,8 @@ def test_every_pair_keeps_the_rules(state: RunState, event: Any) -> None:
         assert not {"Launch", "Adopt", "WakeAfter", "ShowPending"} & set(effects)
     if after.cancelled:
         assert "Launch" not in effects and "Adopt" not in effects
+    if "StopEarlier" in effects:
+        assert state.done, "an earlier pod is stopped only for a run that ended first"
     assert after.cancelled >= state.cancelled
     if after.done:
         assert after.final is not None
