@@ -61,6 +61,7 @@ from tests.support.gcs_iam import IamProxy
 from tests.support.kube import KubeCluster, running_cluster
 from tests.support.prefect_server import migrated_database
 from tests.support.scheduling import SuiteScheduling, is_xdist_worker, slow_first
+from tests.support.scratch import end_scratch, use_scratch
 
 # kubernetes-validate reads and decodes its JSON schemas (_definitions.json alone is several
 # MB) on every call; the schemas never change, so each is decoded once per process.
@@ -69,6 +70,20 @@ _schemas.schema_contents = functools.cache(_schemas.schema_contents)
 
 
 SUITE_INTERVALS: dict[str, float] = json.loads(os.environ["KINETIC_INTERVALS"])
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """Scratch in RAM where there is room (tests/support/scratch.py): before pytest's own
+    temporary-directory plugin reads `--basetemp`, and before any worker starts."""
+    if not is_xdist_worker(config):
+        use_scratch(config)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if not is_xdist_worker(session.config):
+        end_scratch(session.config, exitstatus)
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

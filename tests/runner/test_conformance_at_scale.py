@@ -24,6 +24,9 @@ from tests.support.waiting import wait_until
 pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
 
 
+# About 80 s, mostly waiting on pods: started early (tests/support/scheduling.py) rather
+# than left to be the run's last case.
+@pytest.mark.slow
 def test_twenty_flows_left_unfinished_in_mixed_shapes_leave_no_task_run_unfinished(
     workdir: Path,
 ):

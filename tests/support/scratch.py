@@ -1,0 +1,89 @@
+"""The suite's scratch space: pytest's temporary directories and `TMPDIR` in RAM when
+there is room.
+
+A run writes and unpacks a few GB (nodes' environment caches, pods' working
+directories, data and code archives, Prefect servers' SQLite databases). On this
+machine, through ext4 on a virtual disk, the file-heavy cases took about a tenth more
+CPU than on tmpfs (docs/testing.md, "Scratch in RAM"). So unless `--basetemp` is
+given, each pytest run (the main suite and the lowest-Prefect run beside it each have
+their own) uses a directory under `/dev/shm` when that is a tmpfs that allows
+executables and has `MIN_FREE_BYTES` free; otherwise pytest's usual place. A passing
+run removes it; a failing one leaves it and says where.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+SHM = "/dev/shm"
+# A whole run has used about 5.4 GB there; the rest is headroom for the pods' own memory.
+MIN_FREE_BYTES = 10 * 1024**3
+_KEY = pytest.StashKey[Path]()
+
+
+def tmpfs_root(mounts: str, mount_point: str, free_bytes: int) -> bool:
+    """Whether `mount_point` (as /proc/mounts lists it) is a tmpfs that may hold the
+    suite's scratch: executables allowed (pods run interpreters and scripts from their
+    directories) and `free_bytes` at least `MIN_FREE_BYTES`."""
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) >= 4 and fields[1] == mount_point:
+            options = fields[3].split(",")
+            return (
+                fields[2] == "tmpfs" and "noexec" not in options and (free_bytes >= MIN_FREE_BYTES)
+            )
+    return False
+
+
+def scratch_dir(rootdir: Path, interpreter: str = sys.prefix) -> Path | None:
+    """This run's scratch directory in RAM, or None where there is no room for it.
+
+    Named after the checkout and the interpreter's environment: two checkouts, or the
+    main suite and the lowest-Prefect run of one, never share it.
+    """
+    try:
+        mounts = Path("/proc/mounts").read_text()
+        stats = os.statvfs(SHM)
+    except OSError:
+        return None
+    if not tmpfs_root(mounts, SHM, stats.f_bavail * stats.f_frsize):
+        return None
+    digest = hashlib.sha256(f"{rootdir.resolve()}\0{interpreter}".encode()).hexdigest()[:12]
+    return Path(SHM) / f"kinetic-prefect-tests-{os.getuid()}-{digest}"
+
+
+def use_scratch(config: pytest.Config) -> None:
+    """Point pytest's `--basetemp` and `TMPDIR` (this process's and every process it
+    starts) into the scratch directory, unless `--basetemp` was given."""
+    if config.option.basetemp:
+        return
+    root = scratch_dir(config.rootpath)
+    if root is None:
+        return
+    shutil.rmtree(root, ignore_errors=True)
+    (root / "tmp").mkdir(parents=True)
+    config.option.basetemp = str(root / "pytest")
+    os.environ["TMPDIR"] = str(root / "tmp")
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+    config.stash[_KEY] = root
+
+
+def end_scratch(config: pytest.Config, exitstatus: int) -> None:
+    """Remove the scratch directory after a passing run; after a failing one, say where
+    it is (it holds RAM until removed)."""
+    root = config.stash.get(_KEY, None)
+    if root is None:
+        return
+    if exitstatus == 0:
+        shutil.rmtree(root, ignore_errors=True)
+        return
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(f"The run's scratch is kept in RAM at {root}: remove it when done.")

@@ -1,0 +1,33 @@
+"""When the suite's scratch goes to RAM (tests/support/scratch.py): rows of /proc/mounts."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.scratch import MIN_FREE_BYTES, tmpfs_root
+
+ROOT = "/dev/vda / ext4 rw,relatime,discard 0 0"
+SHM = "tmpfs /dev/shm tmpfs rw,relatime,size=24684084k 0 0"
+
+
+@pytest.mark.parametrize(
+    ("mounts", "free", "expected"),
+    [
+        pytest.param(f"{ROOT}\n{SHM}", MIN_FREE_BYTES, True, id="a tmpfs with room"),
+        pytest.param(f"{ROOT}\n{SHM}", MIN_FREE_BYTES - 1, False, id="a tmpfs too full"),
+        pytest.param(
+            f"{ROOT}\ntmpfs /dev/shm tmpfs rw,nosuid,nodev,noexec,relatime 0 0",
+            MIN_FREE_BYTES,
+            False,
+            id="noexec: pods could not run their interpreters from it",
+        ),
+        pytest.param(
+            f"{ROOT}\n/dev/vdb /dev/shm ext4 rw 0 0", MIN_FREE_BYTES, False, id="not a tmpfs"
+        ),
+        pytest.param(ROOT, MIN_FREE_BYTES, False, id="not mounted"),
+    ],
+)
+def test_scratch_goes_to_ram_only_on_a_roomy_executable_tmpfs(
+    mounts: str, free: int, expected: bool
+) -> None:
+    assert tmpfs_root(mounts, "/dev/shm", free) is expected
