@@ -293,10 +293,8 @@ class Launcher:
                     retries=launch.state.engine_retries,
                     result_storage=PodGcsBucket.standing_in_for(launch.task.result_storage),
                 ),
-                # The runs so far, on a copy: the loop owns the run's own objects.
-                "task_run": launch.task_run.model_copy(
-                    update={"run_count": launch.state.runs_used}
-                ),
+                # Its run count is the runs so far (set by the loop as it launched this).
+                "task_run": launch.task_run,
                 "parameters": inputs.parameters,
                 # Upstreams were resolved here already; the pod needs no futures.
                 "wait_for": None,

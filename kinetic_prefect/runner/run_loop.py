@@ -272,8 +272,10 @@ class RunLoop:
     def _carry_out(self, launch: TaskLaunch, effect: Effect) -> None:
         match effect:
             case Record(state=state):
+                self._count_runs(launch)
                 prefect_bridge.report_state(launch.task_run, state)
             case RecordAwaitingRetry(delay=delay, note=note):
+                self._count_runs(launch)
                 waiting = prefect_bridge.awaiting_retry(delay, note)
                 prefect_bridge.report_state(launch.task_run, waiting)
             case Resolve(state=state):
@@ -292,6 +294,9 @@ class RunLoop:
                 due = time.monotonic() + delay
                 heapq.heappush(self._timers, (due, next(self._order), launch, RetryDue(job_id)))
             case Launch():
+                # The runs so far: the pod's engine starts from it, and the states this
+                # runner records carry it to the API (their events name the run count).
+                launch.task_run.run_count = launch.state.runs_used
                 first = launch.state.pods_launched == 0 and len(launch.state.job_ids) == 1
                 what = "Could not launch the pod" if first else "Could not relaunch the pod"
                 self._io_task(launch, what, self._actions.launch_attempt, launch)
@@ -302,6 +307,13 @@ class RunLoop:
                 self._io_task(launch, None, self._actions.stop_pod, launch, job_id)
             case StopEarlier(job_id=job_id):
                 self._io_task(launch, None, self._actions.stop_earlier, launch, job_id)
+
+    @staticmethod
+    def _count_runs(launch: TaskLaunch) -> None:
+        """The runs the task run has made, on its object: a state this runner records
+        carries the run count to the API in its event (a pod killed silently reported
+        none, and the API would otherwise count the runs as this object last had them)."""
+        launch.task_run.run_count = max(launch.task_run.run_count, launch.state.runs_used)
 
     def _io_task(self, launch: TaskLaunch, what: str | None, fn: Any, *args: Any) -> None:
         """Run `fn` on the I/O pool in the flow's context. A failure ends the task run,

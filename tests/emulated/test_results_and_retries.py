@@ -186,15 +186,20 @@ def test_killed_pod_without_retries_ends_crashed_with_the_reason_and_keeps_its_c
     storage, request
 ):
     @flow(task_runner=_runner(storage, request))
-    def train() -> tuple[str, str, str]:
+    def train() -> tuple[str, str, str, Any]:
         future = train_to_ten.with_options(retries=0).submit("kill")
         future.wait()
-        return future.state.type.value, future.state.message or "", future.output_dir
+        state = future.state
+        return state.type.value, state.message or "", future.output_dir, future.task_run_id
 
-    state_type, message, outputs = train()
+    state_type, message, outputs, task_run_id = train()
 
     assert state_type == "CRASHED"
     assert "killed by signal 9" in message
+    # The runner recorded the Crashed state: the API still counts the one run the pod made.
+    wait_for_task_run_state(task_run_id, "CRASHED")
+    with get_client(sync_client=True) as client:
+        assert client.read_task_run(task_run_id).run_count == 1
     os.environ["KINETIC_OUTPUT_DIR"] = outputs
     try:
         assert checkpoint_manager().latest_step() == 6
