@@ -93,6 +93,8 @@ CANCEL_NOTICE_SECONDS = 30
 # How long a deployed flow run may take to end: a hang, not a speed, is what it catches
 # (three flow runs took over 3 minutes beside the rest of the suite on 2 cores).
 FLOW_RUN_TIMEOUT = 480
+# The interval test's schedule: long enough to switch it off between two runs.
+SCHEDULE_INTERVAL = timedelta(seconds=30)
 GKE_POOL = "kinetic-gke"
 DEADLINE_SECONDS = 15
 
@@ -305,28 +307,39 @@ def test_deployed_sweep_runs_in_a_flow_pod_whose_tasks_run_in_pods_of_their_own(
 
 
 def test_interval_schedule_runs_are_created_by_the_scheduler_and_run_by_the_worker(stack: Stack):
+    # Prefect's scheduler makes runs only for dates at or after its pass, so a daily
+    # schedule anchored a few seconds ahead is missed (its first run is tomorrow's) when
+    # the pass comes late on a loaded machine. Every SCHEDULE_INTERVAL instead: the first
+    # run after the pass, however late, falls due within one interval.
     with stack.server.client() as client:
-        # Daily, first due in a few seconds: exactly one run falls due during the test.
-        schedule = IntervalSchedule(
-            interval=timedelta(days=1), anchor_date=datetime.now(UTC) + timedelta(seconds=5)
-        )
+        schedule = IntervalSchedule(interval=SCHEDULE_INTERVAL, anchor_date=datetime.now(UTC))
         deployment_id = deploy_sweep(
             client,
-            "daily-sweep",
+            "interval-sweep",
             POOL,
             parameters=ONE_TRIAL,
             schedules=[DeploymentScheduleCreate(schedule=schedule, active=True)],
         )
+        by_deployment = DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id]))
 
         def first_scheduled_run() -> Any:
-            runs = client.read_flow_runs(
-                deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id]))
-            )
+            runs = client.read_flow_runs(deployment_filter=by_deployment)
             return min(runs, key=lambda r: r.expected_start_time) if runs else None
 
         scheduled = wait_until(first_scheduled_run, 30, "the scheduler to create a run")
+        wait_until(
+            lambda: datetime.now(UTC) >= scheduled.expected_start_time,
+            SCHEDULE_INTERVAL.total_seconds() + 30,
+            f"run {scheduled.id}, expected at {scheduled.expected_start_time}, to fall due",
+        )
+        # Switching the schedule off deletes its runs not yet due; the due ones stay.
+        [deployment_schedule] = client.read_deployment_schedules(deployment_id)
+        client.update_deployment_schedule(deployment_id, deployment_schedule.id, active=False)
         final = wait_for_final_state(stack, client, scheduled.id)
         ran = client.read_flow_run(scheduled.id)
+        # A second run may have fallen due first on a slow machine: it ends before the next test.
+        for other in client.read_flow_runs(deployment_filter=by_deployment):
+            wait_for_final_state(stack, client, other.id)
         client.delete_deployment(deployment_id)
 
     assert scheduled.auto_scheduled
