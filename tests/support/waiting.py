@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -18,18 +20,43 @@ def wait_until(
     """Call `probe` until it returns a truthy value; fail after `timeout` seconds.
 
     `left`, if given, says what was still in the way; the failure shows it.
+    With KINETIC_TEST_WAIT_LOG set, each wait appends how long it took to that file, so
+    a run shows which deadlines a slower machine would come close to (docs/testing.md).
     """
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
+    deadline = start + timeout
     delay = 0.01
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            shown = f": {left()!r}" if left is not None else ""
-            raise AssertionError(f"Timed out after {timeout}s waiting for {what}{shown}")
-        time.sleep(delay)
-        delay = min(delay * 2, 0.25)
+    met = False
+    try:
+        while True:
+            value = probe()
+            if value:
+                met = True
+                return value
+            if time.monotonic() > deadline:
+                shown = f": {left()!r}" if left is not None else ""
+                raise AssertionError(f"Timed out after {timeout}s waiting for {what}{shown}")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.25)
+    finally:
+        _log_wait(what, timeout, time.monotonic() - start, met)
+
+
+def _log_wait(what: str, timeout: float, elapsed: float, met: bool) -> None:
+    log = os.environ.get("KINETIC_TEST_WAIT_LOG")
+    if not log:
+        return
+    line = json.dumps(
+        {
+            "test": os.environ.get("PYTEST_CURRENT_TEST", ""),
+            "what": what,
+            "timeout": timeout,
+            "elapsed": round(elapsed, 2),
+            "met": met,
+        }
+    )
+    with open(log, "a") as out:
+        out.write(line + "\n")
 
 
 def wait_past_jobs(cluster: object, jobs: int, seconds: float, what: str) -> None:
