@@ -20,7 +20,7 @@ def wait_until(
     """Call `probe` until it returns a truthy value; fail after `timeout` seconds.
 
     `left`, if given, says what was still in the way; the failure shows it.
-    With KINETIC_TEST_WAIT_LOG set, each wait appends how long it took to that file, so
+    With SUITE_WAIT_LOG set, each wait appends how long it took to that file, so
     a run shows which deadlines a slower machine would come close to (docs/testing.md).
     """
     start = time.monotonic()
@@ -43,7 +43,7 @@ def wait_until(
 
 
 def _log_wait(what: str, timeout: float, elapsed: float, met: bool) -> None:
-    log = os.environ.get("KINETIC_TEST_WAIT_LOG")
+    log = os.environ.get("SUITE_WAIT_LOG")
     if not log:
         return
     line = json.dumps(
