@@ -418,7 +418,7 @@ class GatedRun:
             lambda: (
                 self.gate.with_suffix(".id").exists() and self.gate.with_suffix(".id").read_text()
             ),
-            60,
+            CLI_TIMEOUT,
             "the task to start",
         )
 
@@ -448,7 +448,7 @@ class CliProcess:
     lines: list[str]
 
     def wait_for_output(self, text: str) -> None:
-        wait_until(lambda: text in "".join(self.lines), 60, f"{text!r} in the output")
+        wait_until(lambda: text in "".join(self.lines), CLI_TIMEOUT, f"{text!r} in the output")
 
     def finish(self) -> tuple[int, str]:
         code = self.process.wait(timeout=CLI_TIMEOUT)

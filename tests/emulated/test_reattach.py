@@ -73,7 +73,7 @@ def _started_training(
     """A flow process whose task pod has saved two checkpoints, and its flow run id."""
     first = _orchestrator("new", cluster=cluster, **env)
     flow_run_id = first.stdout.readline().split()[-1]  # type: ignore[union-attr]
-    wait_until(lambda: len(checkpoints(flow_run_id)) >= 2, 120, "two checkpoints")
+    wait_until(lambda: len(checkpoints(flow_run_id)) >= 2, 240, "two checkpoints")
     return first, flow_run_id
 
 
