@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
+import tarfile
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,7 +21,6 @@ from kinetic_prefect.launch.accelerators import parse_accelerator
 from kinetic_prefect.launch.environment import (
     ENV_SPEC_FILE,
     Environments,
-    build_locally,
     plan_environment,
 )
 from kinetic_prefect.launch.manifest import (
@@ -100,7 +102,7 @@ def test_a_sweep_completes_when_the_metadata_server_is_slow_to_answer_new_pods(
 # The builder Job installs a whole environment in a bare interpreter: 4 to 5 minutes on 2
 # cores with the rest of the suite running (the suite's 900 s backstop applies).
 @pytest.mark.slow
-def test_a_new_environment_is_built_by_a_builder_job_with_the_key_the_local_builder_gives(
+def test_a_new_environment_is_built_by_a_builder_job_under_its_plans_key_with_every_pin_packed(
     gke: str,
     cluster: KubeCluster,
     gcs: object,
@@ -139,22 +141,35 @@ def test_a_new_environment_is_built_by_a_builder_job_with_the_key_the_local_buil
     assert on_cluster["built_by"] == "builder Job"
 
     plan = plan_environment(REPO, parse_accelerator("cpu"), str(SHIPPED_REQUIREMENTS))
-    local = build_locally(plan, _local_store(Path("local-store")))
-    assert local.key == on_cluster["key"]
-    built_here = json.loads(
-        (Path("local-store") / "env-cache" / local.key / "manifest.json").read_text()
-    )
-    assert (built_here["pins"], built_here["files"]) == (on_cluster["pins"], on_cluster["files"])
+    assert (on_cluster["key"], on_cluster["pins"]) == (plan.key, list(plan.pins))
+    # What the Job packed, read from the archive it uploaded rather than from its manifest:
+    # the digest, the entry count, and a dist-info for every pin of the plan.
+    key = on_cluster["key"]
+    archive = tmp_path / "built-by-the-job.tar.gz"
+    bucket = gcs.client.bucket(gcs.name)  # type: ignore[attr-defined]
+    bucket.blob(f"env-cache/{key}/environment.tar.gz").download_to_filename(archive)
+    assert hashlib.sha256(archive.read_bytes()).hexdigest() == on_cluster["sha256"]
+    with tarfile.open(archive) as packed:
+        entries = [m.name.removeprefix("./") for m in packed.getmembers()]
+    entries = [name for name in entries if name not in ("", ".")]
+    assert len(entries) == on_cluster["files"]
+    installed = {
+        _normalized(name.removesuffix(".dist-info"))
+        for name in entries
+        if "/" not in name and name.endswith(".dist-info")
+    }
+    missing = [pin for pin in plan.pins if _normalized(pin.replace("==", "-")) not in installed]
+    assert missing == []
     # The builder pod shares this machine's temporary directory: its 1-2 GB of scratch
     # space must be gone once it uploaded the archive.
     scratch = Path(tempfile.gettempdir()).glob(f"kinetic-env-*/env/{ENV_SPEC_FILE}")
-    assert [p for p in scratch if json.loads(p.read_text())["key"] == local.key] == []
+    assert [p for p in scratch if json.loads(p.read_text())["key"] == key] == []
 
 
-def _local_store(root: Path):  # type: ignore[no-untyped-def]
-    from kinetic_prefect.common.storage import LocalStore
-
-    return LocalStore(root)
+def _normalized(dist: str) -> str:
+    """A distribution's `name-version`, compared as wheel names are (case, `-`, `_`, `.`)."""
+    name, _, version = dist.rpartition("-")
+    return f"{re.sub(r'[-_.]+', '_', name).lower()}-{version}"
 
 
 def test_an_archive_changed_after_upload_is_refused_in_the_pod(

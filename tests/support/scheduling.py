@@ -23,7 +23,7 @@ ONE_WORKER_FOLDERS = ("tests/worker/",)
 LONGEST = (
     "tests/examples/test_gke_walkthrough.py::test_the_gke_guides_run_as_written_on_a_new_strict_cluster",
     "tests/environments/test_gke_ship.py::"
-    "test_a_new_environment_is_built_by_a_builder_job_with_the_key_the_local_builder_gives",
+    "test_a_new_environment_is_built_by_a_builder_job_under_its_plans_key_with_every_pin_packed",
 )
 
 

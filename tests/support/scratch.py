@@ -13,6 +13,7 @@ run removes it; a failing one leaves it and says where.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
 import shutil
@@ -26,6 +27,7 @@ SHM = "/dev/shm"
 # A whole run has used about 5.4 GB there; the rest is headroom for the pods' own memory.
 MIN_FREE_BYTES = 10 * 1024**3
 _KEY = pytest.StashKey[Path]()
+_PASSED = pytest.StashKey[bool]()
 
 
 def tmpfs_root(mounts: str, mount_point: str, free_bytes: int) -> bool:
@@ -73,16 +75,24 @@ def use_scratch(config: pytest.Config) -> None:
     os.environ["TMPDIR"] = str(root / "tmp")
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
     config.stash[_KEY] = root
+    # Registered first, so it runs last at exit: after the atexit clean-ups of what the run
+    # made in it (Prefect's test harness removes its own directory then).
+    atexit.register(_remove_after_a_pass, config)
+
+
+def _remove_after_a_pass(config: pytest.Config) -> None:
+    if config.stash.get(_PASSED, False):
+        shutil.rmtree(config.stash[_KEY], ignore_errors=True)
 
 
 def end_scratch(config: pytest.Config, exitstatus: int) -> None:
-    """Remove the scratch directory after a passing run; after a failing one, say where
-    it is (it holds RAM until removed)."""
+    """After a passing run, have the scratch directory removed at exit; after a failing
+    one, say where it is (it holds RAM until removed)."""
     root = config.stash.get(_KEY, None)
     if root is None:
         return
     if exitstatus == 0:
-        shutil.rmtree(root, ignore_errors=True)
+        config.stash[_PASSED] = True  # removed at exit
         return
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
