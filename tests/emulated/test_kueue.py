@@ -378,7 +378,7 @@ def test_a_restarted_flow_process_adopts_its_queued_job_and_keeps_waiting(
     second = _orchestrator("again", flow_run_id, cluster=gke, **options)
     wait_until(
         lambda: any(m.startswith("Reattached") for m in _flow_run_messages(flow_run_id)),
-        120,
+        240,
         "the restarted flow process to adopt the queued Job",
     )
     adopted = time.monotonic()
