@@ -93,6 +93,7 @@ class RunLoop:
         self._lock = threading.Lock()
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._ended: threading.Thread | None = None  # the last thread that went idle
         self._io: concurrent.futures.ThreadPoolExecutor | None = None
         self._closed = False
         # Marks the loop's own thread and its I/O threads (not another runner's).
@@ -127,9 +128,12 @@ class RunLoop:
             self._closed = True
         self._put(_CLOSING)
         with self._lock:
-            thread = self._thread
-        if thread is not None and not self.runs_on_current_thread():
-            thread.join()
+            # The thread serving now, and one that went idle just before and may still be
+            # on its way out.
+            threads = [t for t in (self._thread, self._ended) if t is not None]
+        if not self.runs_on_current_thread():
+            for thread in threads:
+                thread.join()
 
     def runs_on_current_thread(self) -> bool:
         """Whether this thread is the loop's or one of its I/O threads (a future's callback
@@ -166,6 +170,7 @@ class RunLoop:
         with self._lock:
             if not self._queue.empty() or self._timers:
                 return False
+            self._ended = self._thread
             self._thread = None
             self._shut_io_if_done()
             return True
