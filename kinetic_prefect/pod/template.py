@@ -17,6 +17,7 @@ go on, as pods do when the process that launched them goes away.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import select
@@ -132,6 +133,9 @@ def _reread_kubeconfig_location() -> None:
 
 def main() -> None:
     control = socket.socket(fileno=int(sys.argv[1]))
+    # As in `python -m kinetic_prefect.pod`: no collector while the pods' modules load;
+    # each forked pod turns it on as its task starts.
+    gc.disable()
     preload()
     serve(control)
 
