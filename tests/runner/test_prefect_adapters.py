@@ -8,15 +8,20 @@ test marked `lowest_prefect`) on the lowest Prefect pyproject.toml allows.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import uuid
 from pathlib import Path
+from typing import Any
 
+import prefect.context
 import pytest
-from prefect import flow, get_client, task
+from prefect import flow, get_client, tags, task
+from prefect.context import serialize_context
 from prefect.filesystems import LocalFileSystem
 from prefect.states import Cancelling
 
 from kinetic_prefect.common import prefect_results
+from kinetic_prefect.launch import prefect_context
 from kinetic_prefect.runner import prefect_engine
 from kinetic_prefect.worker.prefect_observer import cancelling_observer
 from tests.support.waiting import wait_until
@@ -111,3 +116,40 @@ def _state_name(task_run_id: uuid.UUID) -> str | None:
         except ObjectNotFound:  # its creation is an event the API has not recorded yet
             return None
     return state.name if state else None
+
+
+def test_the_pod_context_has_every_part_of_prefects_serialized_context_but_its_settings():
+    # The deployment's context variables are set as a deployment's flow run has them.
+    @task
+    def noted(x: int) -> int:
+        return x
+
+    def both(task_run_id: uuid.UUID) -> tuple[dict[str, Any], dict[str, Any]]:
+        kwargs = {
+            "task": noted,
+            "task_run_id": task_run_id,
+            "task_inputs": {"x": set()},
+            "copy_to_child_ctx": True,
+        }
+        prefect.context._deployment_id.set(uuid.uuid4())
+        prefect.context._deployment_parameters.set({"lr": 0.1})
+        with tags("sweep"):
+            return (
+                prefect_context.serialized_context_but_settings(kwargs),
+                serialize_context(kwargs),
+            )
+
+    @flow
+    def in_a_flow_run() -> tuple[dict[str, Any], dict[str, Any]]:
+        task_run = prefect_engine.new_task_run(noted, uuid.uuid4(), {"x": 1}, None, {})
+        return contextvars.copy_context().run(both, task_run.id)
+
+    ours, prefects = in_a_flow_run()
+
+    assert prefects.pop("settings_context")["settings"]
+    assert ours.pop("settings_context") == {}
+    assert ours.keys() == prefects.keys()
+    for key, value in prefects.items():
+        assert ours[key] == value, key
+    assert ours["tags_context"]["current_tags"] == {"sweep"}
+    assert ours["deployment_parameters"] == {"lr": 0.1}
