@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
 
+@functools.cache
 def _dist_version(name: str) -> str:
+    """Read once per process (about 0.6 ms a read, twice per task run submitted): a package
+    installed over it later changes nothing this process has imported."""
     try:
         return version(name)
     except PackageNotFoundError:
