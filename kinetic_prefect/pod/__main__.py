@@ -1,9 +1,8 @@
 import gc
 import sys
 
-# Until its task starts (`runner.run_task`) the pod imports and unpickles: Prefect alone
-# builds some hundred thousand objects, and the collector's passes over them cost about
-# a tenth of the start-up.
+# Until the task's inputs are unpickled the pod only imports and unpickles; the collector
+# starts then (`runner.start_collecting`).
 gc.disable()
 
 from kinetic_prefect.pod.exit import FastExit  # noqa: E402

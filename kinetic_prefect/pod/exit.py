@@ -40,6 +40,7 @@ def buffered_files() -> list[io.IOBase]:
     Prefect loads some of its optional dependencies) that imports the whole module, in
     every pod, at its very end.
     """
+    gc.unfreeze()  # `gc.get_objects` leaves frozen objects out (`runner.start_collecting`)
     return [obj for obj in gc.get_objects() if issubclass(type(obj), _BUFFERED)]
 
 

@@ -133,10 +133,13 @@ def _reread_kubeconfig_location() -> None:
 
 def main() -> None:
     control = socket.socket(fileno=int(sys.argv[1]))
-    # As in `python -m kinetic_prefect.pod`: no collector while the pods' modules load;
-    # each forked pod turns it on as its task starts.
+    # As in `python -m kinetic_prefect.pod`: no collector while the pods' modules load
+    # (each forked pod starts it: `runner.start_collecting`). Frozen before the first fork,
+    # so that no pod's collector walks the preloaded objects, writing to pages the pods
+    # would otherwise share with the template.
     gc.disable()
     preload()
+    gc.freeze()
     serve(control)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -48,6 +49,7 @@ def note_environment(x: int) -> dict[str, Any]:
         "output_dir": output_dir(),
         "seen": seen,
         "flavour": os.environ.get("FLAVOUR", ""),
+        "collecting": gc.isenabled(),
     }
 
 
@@ -100,6 +102,7 @@ def test_ten_tasks_share_two_warm_pods_each_with_its_own_output_dir_and_a_clean_
     assert len({r["output_dir"] for r in results}) == 10
     assert [r["env_output_dir"] for r in results] == [r["output_dir"] for r in results]
     assert [r["seen"] for r in results] == [None] * 10
+    assert all(r["collecting"] for r in results)
 
 
 @task

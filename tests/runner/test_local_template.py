@@ -7,6 +7,7 @@ template must only have been started with what it may share with its pods.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -39,6 +40,7 @@ def describe_process() -> dict[str, Any]:
         "parent": [part.decode() for part in parent if part],
         "global_api_url": str(prefect.context.GLOBAL_SETTINGS_CONTEXT.settings.api.url),
         "kubeconfig_default": kube_config.KUBE_CONFIG_DEFAULT_LOCATION,
+        "collecting": gc.isenabled(),
     }
 
 
@@ -84,6 +86,8 @@ def test_a_forked_pod_sees_exactly_the_environment_a_fresh_pod_would(
     assert forked["argv0"] == fresh["argv0"]
     assert forked["argv0"].endswith("kinetic_prefect/pod/__main__.py")
     assert forked["session_leader"] and fresh["session_leader"]
+    # The pod starts without the garbage collector; the task runs with it.
+    assert forked["collecting"] and fresh["collecting"]
     # The extracted code comes first on the path, then the pod's working directory.
     assert Path(forked["path0"]).parent == Path(forked["cwd"]).parent
 
