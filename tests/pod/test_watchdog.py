@@ -51,8 +51,14 @@ class Pod:
     lease: Path
     looks: int = 0
 
-    def answer(self, record: LeaseRecord) -> bool:
-        """Hand `record` to the watchdog's next look at its lease; False if the pod ended first."""
+    def answer(self, key: str = KEY, ending: str | None = None, age: float = 0.0) -> bool:
+        """Hand the watchdog's next look at its lease a lease signed with `key`, renewed `age`
+        seconds before that look; False if the pod ended first.
+
+        The lease is made once the look has opened it: on a loaded machine the look may come
+        well after the call (the test serves several pods in turn), and a lease made before
+        would be that much older than asked, past a short orphan timeout.
+        """
 
         def next_look() -> int | str | None:
             if self.process.poll() is not None:
@@ -73,7 +79,7 @@ class Pod:
         os.mkfifo(fresh)
         fresh.replace(self.lease)
         with os.fdopen(opened, "wb") as pipe:
-            pipe.write(record.encode())
+            pipe.write(lease(key, ending, age).encode())
         self.looks += 1
         return True
 
@@ -125,7 +131,7 @@ def lease(key: str = KEY, ending: str | None = None, age: float = 0.0) -> LeaseR
 
 def test_a_forged_fresh_lease_does_not_keep_an_orphaned_pod_alive(tmp_path: Path):
     with watchdog_pod(tmp_path, timeout=2) as pod:
-        while pod.answer(lease(key="not-the-flow-runs-key")):
+        while pod.answer(key="not-the-flow-runs-key"):
             assert pod.looks < 100, "the pod outlived its orphan timeout on forged leases"
 
         reason = pod.ended_because()
@@ -140,14 +146,14 @@ def test_a_forged_fresh_lease_does_not_keep_an_orphaned_pod_alive(tmp_path: Path
 def test_a_forged_ending_lease_does_not_end_a_live_pod_and_a_signed_one_does(tmp_path: Path):
     with watchdog_pod(tmp_path, timeout=6) as pod:
         for _ in range(4):
-            assert pod.answer(lease(key="not-the-flow-runs-key", ending="cancelled"))
-            assert pod.answer(lease())
+            assert pod.answer(key="not-the-flow-runs-key", ending="cancelled")
+            assert pod.answer()
         # The runner's own ending lease from before the pod was launched: an old one, replayed.
-        assert pod.answer(lease(ending="cancelled", age=30))
-        assert pod.answer(lease())
+        assert pod.answer(ending="cancelled", age=30)
+        assert pod.answer()
         assert pod.process.poll() is None
 
-        assert pod.answer(lease(ending="cancelled"))
+        assert pod.answer(ending="cancelled")
         reason = pod.ended_because()
 
     assert "the runner marked its lease: the flow run is cancelled" in reason
@@ -191,9 +197,9 @@ def test_watchdogs_send_no_prefect_api_request_however_many_pods(
         ]
         for _ in range(4):
             for pod in running:
-                assert pod.answer(lease())
+                assert pod.answer()
         for pod in running:
-            assert pod.answer(lease(ending="cancelled"))
+            assert pod.answer(ending="cancelled")
         reasons = [pod.ended_because() for pod in running]
 
     assert all("the flow run is cancelled" in reason for reason in reasons)
