@@ -334,8 +334,9 @@ def _record_state(task_run_id: Any, state: Any) -> None:
 
 def _recorded_state(task_run_id: Any) -> Any:
     """The task run's state as the API has it (None if it cannot tell)."""
-    # Not `from prefect import get_client`: that first import of `prefect.main` sets up
-    # Prefect's logging again, after `hydrated_context` did (about 0.06 s of CPU).
+    # Not `from prefect import get_client`: where nothing imported `prefect.main` yet (a
+    # forked local pod, a task pickled by value), that would, and it sets up Prefect's
+    # logging again (about 0.06 s of CPU).
     from prefect.client.orchestration import get_client
 
     try:
