@@ -129,13 +129,20 @@ class Launcher:
                 resolve_inputs_sync({"wait_for": wait_for}, return_data=False)
                 resolved = resolve_inputs_sync(parameters, return_data=True, max_depth=-1)
             except UpstreamTaskError:
-                if not launch.cancelled:
-                    # NotReady is decided by Prefect's engine itself, before calling the
-                    # task, so no pod is needed.
-                    not_ready = prefect_bridge.run_not_ready(
-                        launch.task, launch.task_run, parameters, wait_for, dependencies
-                    )
-                    self.post(launch, EngineDecided(not_ready))
+                if launch.cancelled:
+                    return
+                if self.resources.flow_run_ending(launch) is not None:
+                    # The flow run is over (the lease says so: its state reached the API
+                    # before the runner's exit cancels what is left) and its pods end
+                    # themselves: the upstream ended with it, and so does this run.
+                    self.post(launch, Cancel(CANCELLED_ON_EXIT))
+                    return
+                # NotReady is decided by Prefect's engine itself, before calling the task,
+                # so no pod is needed.
+                not_ready = prefect_bridge.run_not_ready(
+                    launch.task, launch.task_run, parameters, wait_for, dependencies
+                )
+                self.post(launch, EngineDecided(not_ready))
                 return
             if launch.cancelled:
                 return

@@ -21,7 +21,7 @@ from prefect import flow, get_client, tags, task
 from prefect.assets import Asset, materialize
 from prefect.context import FlowRunContext, TagsContext, get_run_context
 from prefect.futures import as_completed
-from prefect.states import Completed
+from prefect.states import Cancelling, Completed
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.utilities.annotations import allow_failure
 
@@ -156,6 +156,34 @@ def test_leaving_the_flow_with_a_chain_unfinished_cancels_every_task_run_within_
     cancelled_after = [at - float(left_at.read_text()) for at in _cancelled_at(flow_run_id)]
     assert len(cancelled_after) == 3
     assert all(0 <= after <= CANCEL_GRACE for after in cancelled_after), cancelled_after
+
+
+def test_a_task_run_whose_upstream_ended_with_its_flow_run_is_cancelled_not_left_not_ready(
+    workdir: Path,
+):
+    # The flow run's state says it is over while the flow is still inside the runner (as
+    # when the engine records the flow's end before leaving the runner, or the UI cancels
+    # it): the runner marks the lease, the upstream's pod ends itself, and the run waiting
+    # for it must end Cancelled, as the runner's exit would end it, not NotReady (Pending).
+    started = workdir / "started"
+    started.mkdir()
+
+    seen: list[str] = []
+
+    @flow(task_runner=KineticTaskRunner(cancel_grace_seconds=CANCEL_GRACE))
+    def run() -> None:
+        upstream = wait_for_file_once_started.submit(str(workdir / "never"), str(started))
+        downstream = plus_one.submit(1, wait_for=[upstream])
+        wait_until(lambda: os.listdir(started), 120, "the upstream's pod to run its task")
+        with get_client(sync_client=True) as client:
+            flow_run_id = FlowRunContext.get().flow_run.id  # type: ignore[union-attr]
+            client.set_flow_run_state(flow_run_id, Cancelling(), force=True)
+        downstream.wait(timeout=120)
+        seen.extend([upstream.state.type.value, downstream.state.type.value])
+
+    run(return_state=True)  # the flow run ends as Prefect makes of a run it was told cancels
+
+    assert seen == ["CANCELLED", "CANCELLED"]
 
 
 def test_cancel_all_stops_running_and_waiting_task_runs_and_then_refuses_new_work(
