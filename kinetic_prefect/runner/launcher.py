@@ -78,6 +78,7 @@ from kinetic_prefect.runner.run_state import (
     Conclude,
     EngineDecided,
     Event,
+    FlowRunOver,
     PodEnded,
     PodPending,
     Prepared,
@@ -130,12 +131,6 @@ class Launcher:
                 resolved = resolve_inputs_sync(parameters, return_data=True, max_depth=-1)
             except UpstreamTaskError:
                 if launch.cancelled:
-                    return
-                if self.resources.flow_run_ending(launch) is not None:
-                    # The flow run is over (the lease says so: its state reached the API
-                    # before the runner's exit cancels what is left) and its pods end
-                    # themselves: the upstream ended with it, and so does this run.
-                    self.post(launch, Cancel(CANCELLED_ON_EXIT))
                     return
                 # NotReady is decided by Prefect's engine itself, before calling the task,
                 # so no pod is needed.
@@ -472,6 +467,12 @@ class Launcher:
             return
         concurrent.futures.wait([launch.future for launch in launches])
         self.loop.wait_for_io()
+
+    def flow_run_over(self, launches: list[TaskLaunch]) -> None:
+        """The lease found the task runs' flow run over: each takes it in (`FlowRunOver`),
+        and this returns once all have, before the lease is marked for the pods to read."""
+        self.loop.post_many((launch, FlowRunOver(CANCELLED_ON_EXIT)) for launch in launches)
+        self.loop.settle()
 
     def cancel(self, launch: TaskLaunch, message: str = CANCELLED_ON_EXIT) -> None:
         """Stop the task run: no further pod, the running one stopped, the future Cancelled."""

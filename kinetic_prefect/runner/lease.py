@@ -15,6 +15,11 @@ per flow process every `min(timeout / 4, flow_run_look_seconds)` seconds, howeve
 pods it has)
 and, once the flow run is cancelling or final, marks the lease `ending`; it marks
 it `ending` too when it closes. Every pod that reads the marked lease ends.
+
+Before it writes the mark, the lease calls `on_ending`: the runner cancels the flow
+run's unfinished task runs then, so that none of them learns of the end from a pod
+that ended itself (a dependent would see its upstream fail, and end NotReady), and a
+task run waiting for a retry's delay launches no pod for a flow run that is over.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import contextvars
 import secrets
 import threading
 import time
+from collections.abc import Callable
 
 from prefect.logging import get_logger
 
@@ -64,8 +70,10 @@ class Lease:
         signing_key: str,
         timeout_seconds: float,
         look_seconds: float = Intervals.flow_run_look_seconds,
+        on_ending: Callable[[], None] | None = None,
     ) -> None:
         self.store = store
+        self._on_ending = on_ending
         self.key = key
         self.uri = store.uri(key)
         self._flow_run_id = flow_run_id
@@ -111,6 +119,11 @@ class Lease:
                 return
             self._ending = ending
         logger.info("Flow run %s is %s: marking its lease %s", self._flow_run_id, ending, self.uri)
+        if self._on_ending is not None:
+            try:
+                self._on_ending()
+            except Exception:  # the mark still reaches the pods
+                logger.exception("Could not end the task runs of flow run %s", self._flow_run_id)
         self.renewed_at = self._write()
 
     def _run(self) -> None:

@@ -6,6 +6,7 @@ leaves it: backends close (cancelling what still runs) and leases are released.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -35,8 +36,16 @@ if TYPE_CHECKING:
 class RunnerResources:
     """Shared by every task run of one runner; see the module docstring."""
 
-    def __init__(self, cluster: Callable[[], Any], package_root: str | None) -> None:
+    def __init__(
+        self,
+        cluster: Callable[[], Any],
+        package_root: str | None,
+        flow_run_over: Callable[[str], None] | None = None,
+    ) -> None:
+        """`flow_run_over(flow_run_id)` is called as a lease is marked ending, before any
+        pod can read the mark (`runner.lease`)."""
         self._cluster = cluster
+        self._flow_run_over = flow_run_over
         self.package_root = package_root
         self._lock = threading.Lock()
         self._backends: dict[tuple[str, str], Backend] = {}
@@ -114,6 +123,7 @@ class RunnerResources:
             lease = self._leases.get((store.uri(""), flow_run_id))
             if lease is None:
                 owner = str(launch.task_run.flow_run_id) if launch.task_run.flow_run_id else None
+                over = self._flow_run_over
                 lease = Lease(
                     store,
                     lease_key(flow_run_id),
@@ -121,6 +131,7 @@ class RunnerResources:
                     signing_key,
                     timeout,
                     look_seconds=launch.settings.intervals.flow_run_look_seconds,
+                    on_ending=functools.partial(over, flow_run_id) if over and owner else None,
                 )
                 self._leases[(store.uri(""), flow_run_id)] = lease
         env = {

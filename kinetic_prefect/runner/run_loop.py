@@ -116,6 +116,15 @@ class RunLoop:
         if batch:
             self._put(batch)
 
+    def settle(self) -> None:
+        """Return once every event posted before has been applied (at once on the loop's
+        own threads, which would otherwise wait for themselves)."""
+        if self.runs_on_current_thread():
+            return
+        applied = threading.Event()
+        self._put(applied)
+        applied.wait()
+
     def open(self) -> None:
         """Use the loop again after `close` (a runner entered again)."""
         with self._lock:
@@ -210,6 +219,8 @@ class RunLoop:
                 ]
                 self._timers.clear()
                 self._apply(waiting)
+            elif isinstance(item, threading.Event):  # `settle`: everything before is applied
+                item.set()
             elif item:
                 self._apply(item)
             # Checked after every event too: a steady stream of them starves no deadline.

@@ -167,6 +167,14 @@ class Cancel:
 
 
 @dataclass(frozen=True)
+class FlowRunOver:
+    """The runner's lease found the flow run cancelling or final while the flow is still
+    in the runner (the lease is marked once every run has taken this in)."""
+
+    message: str
+
+
+@dataclass(frozen=True)
 class Conclude:
     """A state no pod reported: a cached result, a failure to launch. The runner records it."""
 
@@ -188,6 +196,7 @@ Event = (
     | PodEnded
     | RetryDue
     | Cancel
+    | FlowRunOver
     | Conclude
     | EngineDecided
 )
@@ -302,6 +311,16 @@ def step(state: RunState, event: Event) -> Step:
             if state.phase in (Phase.LAUNCHING, Phase.RUNNING):
                 stop = (StopPod(state.job_id),)
             return _conclude(cancelled, Cancelled(message=message), *stop)
+        case FlowRunOver(message=message):
+            if state.done:
+                return state, ()
+            if state.phase is Phase.RUNNING:
+                # Its pod ends itself on reading the marked lease (or completes first);
+                # whatever its end, no further pod follows.
+                return dataclasses.replace(state, cancelled=True), ()
+            # No pod of its own to end it: it ends now, before an upstream's pod ending
+            # itself could make it NotReady, or a retry's delay could launch a pod.
+            return step(state, Cancel(message))
         case Conclude(state=final):
             return (state, ()) if state.done else _conclude(state, final)
         case EngineDecided(state=final):

@@ -244,7 +244,9 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
         self._task_counts: dict[tuple[str, str], int] = {}
         self._cluster_block: Any = None
         self._checked_roots: set[str] = set()
-        self._launcher = Launcher(RunnerResources(self._cluster_obj, self._package_root))
+        self._launcher = Launcher(
+            RunnerResources(self._cluster_obj, self._package_root, self._flow_run_over)
+        )
 
     # -- Prefect's task runner protocol ---------------------------------------
 
@@ -304,6 +306,19 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
         if submitter is not None:
             # Every future is resolved, so submitter threads waiting on upstreams return now.
             submitter.shutdown(wait=True, cancel_futures=True)
+
+    def _flow_run_over(self, flow_run_id: str) -> None:
+        """The lease found the flow run cancelling or final while the flow is still in the
+        runner: its unfinished task runs learn it before its pods can (`FlowRunOver`). The
+        runner still takes work: Prefect's engine decides when the flow leaves it."""
+        with self._lock:
+            pending = [
+                launch
+                for launch in self._launches.values()
+                if not launch.future.done() and str(launch.task_run.flow_run_id) == flow_run_id
+            ]
+        if pending:
+            self._launcher.flow_run_over(pending)
 
     def submit(
         self,

@@ -163,7 +163,7 @@ def test_a_task_run_whose_upstream_ended_with_its_flow_run_is_cancelled_not_left
 ):
     # The flow run's state says it is over while the flow is still inside the runner (as
     # when the engine records the flow's end before leaving the runner, or the UI cancels
-    # it): the runner marks the lease, the upstream's pod ends itself, and the run waiting
+    # it): the runner marks the lease and the upstream's pod ends itself. The run waiting
     # for it must end Cancelled, as the runner's exit would end it, not NotReady (Pending).
     started = workdir / "started"
     started.mkdir()
@@ -179,11 +179,62 @@ def test_a_task_run_whose_upstream_ended_with_its_flow_run_is_cancelled_not_left
             flow_run_id = FlowRunContext.get().flow_run.id  # type: ignore[union-attr]
             client.set_flow_run_state(flow_run_id, Cancelling(), force=True)
         downstream.wait(timeout=120)
+        upstream.wait(timeout=120)
         seen.extend([upstream.state.type.value, downstream.state.type.value])
 
     run(return_state=True)  # the flow run ends as Prefect makes of a run it was told cancels
 
     assert seen == ["CANCELLED", "CANCELLED"]
+
+
+@task(retries=1, retry_delay_seconds=3600)
+def crashes_its_pod() -> None:
+    os._exit(3)
+
+
+def _task_run_state(task_run_id: object) -> tuple[str | None, int]:
+    """The task run's state name (None before the API has it) and run count, from the API."""
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            task_run = client.read_task_run(task_run_id)  # type: ignore[arg-type]
+        except ObjectNotFound:  # its creation is an event the API has not recorded yet
+            return None, 0
+    return (task_run.state.name if task_run.state else None), task_run.run_count
+
+
+def test_a_task_run_waiting_out_its_retry_delay_ends_cancelled_when_its_flow_run_is_cancelled(
+    workdir: Path,
+):
+    # Its pod crashed and its retry is an hour away. Cancelling the flow run while the flow
+    # is still inside the runner ends it at the runner's next look at the flow run, not
+    # after the delay, and no pod runs it again.
+    seen: list[object] = []
+
+    @flow(task_runner=KineticTaskRunner(cancel_grace_seconds=CANCEL_GRACE))
+    def run() -> None:
+        crashing = crashes_its_pod.submit()
+        wait_until(
+            lambda: _task_run_state(crashing.task_run_id)[0] == "AwaitingRetry",
+            120,
+            "the crashed task run to wait for its retry",
+        )
+        with get_client(sync_client=True) as client:
+            flow_run_id = FlowRunContext.get().flow_run.id  # type: ignore[union-attr]
+            client.set_flow_run_state(flow_run_id, Cancelling(), force=True)
+        crashing.wait(timeout=120)
+        seen.append(crashing.state.type.value)
+        wait_until(
+            lambda: _task_run_state(crashing.task_run_id)[0] == "Cancelled",
+            60,
+            "the API to record the task run Cancelled",
+        )
+        seen.append(_task_run_state(crashing.task_run_id)[1])
+
+    run(return_state=True)
+
+    assert seen == ["CANCELLED", 1]  # one run: its crashed pod's
 
 
 def test_cancel_all_stops_running_and_waiting_task_runs_and_then_refuses_new_work(
