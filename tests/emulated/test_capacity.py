@@ -144,7 +144,10 @@ def test_a_pod_waiting_for_capacity_past_queue_timeout_fails_naming_the_setting(
 
     (completed, _, _), (failed, message, queued_id) = outcomes
     assert (completed, failed) == ("COMPLETED", "FAILED")
-    assert "waited 8s for capacity, longer than queue_timeout_seconds=8" in message
+    # The whole queue timeout waited (the product rounds the seconds; a loaded machine
+    # looks a little late).
+    waited = re.search(r"waited (\d+)s for capacity, longer than queue_timeout_seconds=8;", message)
+    assert waited is not None and int(waited.group(1)) >= 8, message
     assert "1/1 l4 nodes busy (Insufficient nvidia.com/gpu)" in message
     pending = [m for kind, m in _history(queued_id) if kind == "PENDING"]
     assert any(" is waiting for capacity: 1/1 l4 nodes busy" in m for m in pending)

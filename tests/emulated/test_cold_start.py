@@ -115,7 +115,16 @@ def test_listing_prefects_block_registry_includes_the_deferred_block_types():
     assert out == "['KineticCluster', 'KineticGcpCredentials']"
 
 
-def test_a_serialized_block_of_a_registered_type_is_built_without_a_lookup(tmp_path: Path):
+def test_a_serialized_block_of_a_registered_type_is_built_without_a_lookup(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    from prefect.blocks.core import Block
+
+    def no_lookup(key: str) -> None:
+        raise AssertionError(f"Prefect's block lookup was asked for {key!r}")
+
+    # Prefect's lookup by slug (it first imports every installed collection).
+    monkeypatch.setattr(Block, "get_block_class_from_key", no_lookup)
     serialized = {"store": {"block_type_slug": "local-file-system", "basepath": str(tmp_path)}}
 
     built = build_known_blocks(serialized)

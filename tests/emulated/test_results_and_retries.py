@@ -105,7 +105,6 @@ print(json.dumps(values))
 """
 
 
-@pytest.mark.slow
 @task(retries=1)
 def killed_then_raising() -> None:
     if task_run.run_count == 1:
@@ -113,6 +112,7 @@ def killed_then_raising() -> None:
     raise RuntimeError("the retry fails too")
 
 
+@pytest.mark.slow
 def test_a_killed_pod_and_a_failing_relaunch_run_the_task_once_per_retry():
     @flow(task_runner=KineticTaskRunner())
     def run() -> tuple[str, object]:

@@ -333,7 +333,7 @@ def test_a_task_handed_to_a_pod_that_ends_before_taking_it_runs_on_a_fresh_pod_w
     workdir,
 ):
     @flow(task_runner=KineticTaskRunner(warm_pods=True, max_parallel=1))
-    def run() -> tuple[int, int]:
+    def run() -> tuple[int, int, Any]:
         first = note_environment.submit(1)
         first_pid = first.result()["pid"]
         os.kill(first_pid, signal.SIGSTOP)  # the pod cannot pick the next task up
@@ -341,12 +341,19 @@ def test_a_task_handed_to_a_pod_that_ends_before_taking_it_runs_on_a_fresh_pod_w
         assignment = workdir / ".kinetic" / "kinetic" / first.job_id / "warm" / "assign-1.json"
         wait_until(assignment.exists, 30, "the task to be handed to the stopped pod")
         os.kill(first_pid, signal.SIGKILL)
-        return first_pid, handed.result()["pid"]
+        return first_pid, handed.result()["pid"], handed.task_run_id
 
-    first_pid, handed_pid = run()
+    first_pid, handed_pid, task_run_id = run()
+    wait_for_task_run_state(task_run_id, "COMPLETED")
+    with get_client(sync_client=True) as client:
+        run_count = client.read_task_run(task_run_id).run_count
+        history = [state.name for state in client.read_task_run_states(task_run_id)]
 
     assert handed_pid != first_pid
     assert len(_pods(workdir)) == 2
+    # No retry: one run, never put back to await one.
+    assert run_count == 1
+    assert "AwaitingRetry" not in history
 
 
 def _queued_behind_a_gate(workdir: Path) -> tuple[Any, Any, LocalPod]:

@@ -231,7 +231,11 @@ def terminal(
             yield terminal
         finally:
             terminal.stop()
+        # As the `cluster` fixture holds every other case: a permission the guides do not
+        # grant cannot hide behind an error the product swallowed.
+        refusals = cluster.refusals()
     kgcs._clients.clear()
+    assert refusals == [], f"The cluster refused requests: {refusals}"
 
 
 # Two flows of four pods and a worker's flow pod, start to end: longer than one case's default.

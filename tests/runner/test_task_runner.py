@@ -47,9 +47,9 @@ def describe(value: object) -> str:
 
 
 @task
-async def double_async(x: int) -> int:
+async def double_async(x: int) -> tuple[int, int]:
     await asyncio.sleep(0)
-    return 2 * x
+    return 2 * x, os.getpid()
 
 
 @task
@@ -260,10 +260,11 @@ def test_wait_for_unmapped_and_quote_behave_as_with_prefect_runners():
 
 def test_async_task_runs_in_a_pod():
     @flow(task_runner=KineticTaskRunner())
-    def run() -> int:
+    def run() -> tuple[int, int]:
         return double_async.submit(21).result()
 
-    assert run() == 42
+    doubled, pid = run()
+    assert doubled == 42 and pid != os.getpid()
 
 
 def test_unknown_accelerator_fails_before_any_pod_listing_valid_names(launched_manifests):

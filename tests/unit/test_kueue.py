@@ -64,7 +64,7 @@ def test_queue_name_comes_from_the_environment_like_every_setting():
     assert resolve_settings(environ={"KINETIC_QUEUE_NAME": "tpu"}).queue_name == "tpu"
 
 
-def test_jobs_ls_shows_a_suspended_job_of_a_queue_as_queued():
+def test_the_status_of_a_suspended_job_of_a_queue_reads_queued_naming_its_local_queue():
     job = build_workload(_spec("tpu-v5e-4", queue_name="tpu")).job
 
     status, finished, _ = job_status(job, None)
