@@ -13,7 +13,8 @@ identity among them:
   new task run from its record. A Completed record gives the new task run that
   state, with a message naming the pod; any other end launches a new pod, as the
   retry, only now that the old one is gone;
-- a pod that ended with a Completed record gives its state the same way;
+- a pod that ended with a Completed record gives its state the same way, unless
+  the task opts out of reused results (`cache_policy=NO_CACHE`, `refresh_cache`);
 - anything else (no pod, or one that failed, crashed or left no record) launches
   normally, and the new pod resumes from the checkpoint in `KINETIC_OUTPUT_DIR`.
 
@@ -59,14 +60,35 @@ def identity_labels(launch: TaskLaunch) -> dict[str, str]:
     return {LABEL_TASK_IDENTITY: task_identity(str(flow_run_id), launch.task_key)}
 
 
-def reattached_state(state: State[Any], job_id: str) -> State[Any]:
+def reattached_state(state: State[Any], job_id: str, *, adopted: bool = True) -> State[Any]:
     """The Completed state of an earlier pod, as the new task run's own (a new state id)."""
     fresh = state.fresh_copy()
-    fresh.message = (
-        f"Completed by pod {job_id}, launched for this flow run by an earlier flow process "
-        "and reattached to"
-    )
+    if adopted:
+        fresh.message = (
+            f"Completed by pod {job_id}, launched for this flow run by an earlier flow "
+            "process and reattached to"
+        )
+    else:
+        fresh.message = (
+            f"Completed by pod {job_id}, launched for an earlier run of this task in this "
+            "flow run (another flow process, or an earlier attempt of the flow run); its "
+            "result is reused. cache_policy=NO_CACHE or refresh_cache=True runs it again"
+        )
     return fresh
+
+
+def reuses_completed_pods(task: Any) -> bool:
+    """Whether an earlier completed pod's result may stand for a new run of `task`: not
+    when the task opts out of reused results, as it would of Prefect's cache
+    (`cache_policy=NO_CACHE`, which `persist_result=False` implies, or `refresh_cache`,
+    the task's or else `PREFECT_TASKS_REFRESH_CACHE`)."""
+    from prefect.cache_policies import NO_CACHE
+    from prefect.settings import get_current_settings
+
+    refresh = task.refresh_cache
+    if refresh is None:
+        refresh = get_current_settings().tasks.refresh_cache
+    return not refresh and not isinstance(task.cache_policy, type(NO_CACHE))
 
 
 class Reattacher:
@@ -122,6 +144,14 @@ class Reattacher:
         if live:
             return EarlierPod(live[0].job_id, backend=backend)
         newest = pods[0]
+        if not reuses_completed_pods(launch.task):
+            logger.info(
+                "Task run %s: not reusing the earlier pod %s (the task opts out of reused "
+                "results); launching a new one",
+                launch.task_run.name,
+                newest.job_id,
+            )
+            return None
         key = self._resources.signing_key(launch)
         end = read_attempt_end(store, newest.job_id, PodExit(newest.job_id, exit_code=None), key)
         if not (end.reported_by_pod and end.state.is_completed()):
@@ -132,7 +162,8 @@ class Reattacher:
                 end.state.message,
             )
             return None
-        return EarlierPod(newest.job_id, completed=reattached_state(end.state, newest.job_id))
+        completed = reattached_state(end.state, newest.job_id, adopted=False)
+        return EarlierPod(newest.job_id, completed=completed)
 
 
 def stop_earlier_pod(

@@ -10,10 +10,13 @@ import sys
 import threading
 import traceback
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
 from prefect.futures import wait
+from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.utilities.annotations import allow_failure, quote, unmapped
 
@@ -374,3 +377,35 @@ def test_a_runner_without_cluster_uses_the_block_kinetic_cluster_names(monkeypat
         return environment_variable.submit("CHOSEN_BY").result()
 
     assert run() == "the saved block"
+
+
+@task
+def appends_a_line(path: str) -> int:
+    with open(path, "a") as runs:
+        runs.write("ran\n")
+    return len(Path(path).read_text().splitlines())
+
+
+@pytest.mark.parametrize(
+    ("options", "runs"),
+    [
+        pytest.param({}, 1, id="default: the first attempt's result is reused"),
+        pytest.param({"cache_policy": NO_CACHE}, 2, id="NO_CACHE: run again"),
+        pytest.param({"refresh_cache": True}, 2, id="refresh_cache: run again"),
+    ],
+)
+def test_a_flow_retry_reuses_a_completed_pod_unless_the_task_opts_out_of_reused_results(
+    workdir: Path, options: dict[str, Any], runs: int
+):
+    log = workdir / "runs.txt"
+    appends = appends_a_line.with_options(**options)
+
+    @flow(retries=1, task_runner=KineticTaskRunner())
+    def retried() -> int:
+        seen = appends.submit(str(log)).result()
+        if flow_run.run_count == 1:
+            raise RuntimeError("the first attempt fails after its task completed")
+        return seen
+
+    assert retried() == runs
+    assert len(log.read_text().splitlines()) == runs
