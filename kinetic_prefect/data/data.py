@@ -257,7 +257,8 @@ def resolve_ref(ref: DataRef, scratch: Path) -> str:
 
 
 def resolve_parameters(parameters: dict[str, Any], scratch: Path) -> dict[str, Any]:
-    """Replace every `DataRef` in the parameters by its local path (downloads in parallel)."""
+    """Replace every `DataRef` in the parameters by its local path (downloads in parallel);
+    `parameters` itself when it holds none."""
     from prefect.utilities.collections import visit_collection
 
     refs: list[DataRef] = []
@@ -266,6 +267,8 @@ def resolve_parameters(parameters: dict[str, Any], scratch: Path) -> dict[str, A
         visit_fn=lambda item: refs.append(item) if isinstance(item, DataRef) else None,
         return_data=False,
     )
+    if not refs:
+        return parameters
     unique = list(dict.fromkeys(refs))
     paths = dict(
         zip(unique, parallel_map(lambda r: resolve_ref(r, scratch), unique, 4), strict=True)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kinetic_prefect.common import layout, prefect_results, storage, versions
+from kinetic_prefect.common import layout, prefect_cache, prefect_results, storage, versions
 from kinetic_prefect.common.env import (
     CLIENT_VERSIONS_ENV,
     OUTPUT_DIR_ENV,
@@ -241,6 +241,8 @@ def resolve_data(run: PodRun) -> None:
         from kinetic_prefect.data.data import DataIntegrityError, resolve_parameters
 
         scratch = Path(os.environ.get(SCRATCH_DIR_ENV) or tempfile.gettempdir())
+        # The cache key is the shipped parameters' (`common.prefect_cache`), not the paths'.
+        run.contents["shipped_parameters"] = run.contents["parameters"]
         try:
             run.contents["parameters"] = resolve_parameters(run.contents["parameters"], scratch)
         except DataIntegrityError as exc:
@@ -302,6 +304,11 @@ def execute(run: PodRun, hosts: int = 1) -> Any:
         hydrate_started = time.perf_counter()
         with hydrated_context(contents["context"]):
             run.timings["hydrate"] = round(time.perf_counter() - hydrate_started, 4)
+            shipped = contents.get("shipped_parameters")
+            if shipped is not None and shipped is not contents["parameters"]:
+                key = prefect_cache.cache_key(task, contents["task_run"], shipped)
+                if key is not None:
+                    prefect_cache.pin_cache_key(task, key)
             recorded = _recorded_state(contents["task_run"].id)
             if recorded is not None and recorded.is_final():
                 raise TaskRunAlreadyFinal(recorded)

@@ -21,6 +21,8 @@ from prefect.context import FlowRunContext, TaskRunContext
 from prefect.states import State
 from prefect.utilities.engine import emit_task_run_state_change_event
 
+from kinetic_prefect.common import prefect_cache
+
 
 def new_task_run(
     task: Any,
@@ -87,34 +89,22 @@ def run_not_ready(
 def cache_lookup(task: Any, task_run: TaskRun, parameters: Mapping[str, Any]) -> Any:
     """The task's result store and cache key when its cache policy applies, else None.
 
-    The key is computed as Prefect's engine does; whether a record is there, and
-    whether it can be trusted, is `kinetic_prefect.runner.result_check`'s business.
+    The key is computed as Prefect's engine does (`common.prefect_cache`), from the
+    parameters the pods get; whether a record is there, and whether it can be trusted,
+    is `kinetic_prefect.runner.result_check`'s business.
     """
-    from prefect.cache_policies import NO_CACHE, CachePolicy
     from prefect.results import get_result_store
     from prefect.settings import PREFECT_TASKS_REFRESH_CACHE
 
-    policy = task.cache_policy
     refresh = (
         task.refresh_cache
         if task.refresh_cache is not None
         else PREFECT_TASKS_REFRESH_CACHE.value()
     )
-    if not isinstance(policy, CachePolicy) or policy is NO_CACHE or refresh:
+    if refresh or not prefect_cache.caches(task):
         return None
     store: Any = get_result_store().update_for_task(task, _sync=True)  # type: ignore[call-arg]
-    flow_context = FlowRunContext.get()
-    context = TaskRunContext.model_construct(
-        task=task, task_run=task_run, parameters=dict(parameters), result_store=store
-    )
-    try:
-        key = policy.compute_key(
-            task_ctx=context,
-            inputs=dict(parameters),
-            flow_parameters=(flow_context.parameters if flow_context else None) or {},
-        )
-    except Exception:
-        return None
+    key = prefect_cache.cache_key(task, task_run, parameters, store)
     return (store, key) if key else None
 
 

@@ -6,10 +6,12 @@ import asyncio
 import dataclasses
 import hashlib
 import os
+import uuid
 from pathlib import Path
 
 import pytest
 from prefect import flow, task
+from prefect.cache_policies import INPUTS
 
 from kinetic_prefect import Data, KineticTaskRunner
 from kinetic_prefect.common.storage import JobsStore, LocalStore, open_store
@@ -228,3 +230,33 @@ def test_task_run_artifacts_show_its_output_dir_and_the_data_it_used(workdir):
 
     assert outputs in by_type["markdown"]
     assert hash_local(dataset).sha256 in by_type["table"]
+
+
+@task(cache_policy=INPUTS, persist_result=True)
+def count_lines_once(path: str, runs: str, nonce: str) -> int:
+    with open(runs, "a") as ran:
+        ran.write("ran\n")
+    return len(Path(path).read_text().splitlines())
+
+
+@pytest.mark.lowest_prefect
+def test_a_task_taking_data_is_cached_under_the_key_of_its_shipped_parameters(workdir: Path):
+    # The pod sees a local path where the orchestrator shipped a `DataRef`: the result
+    # must be stored under the key the orchestrator looks up, so the second flow run
+    # finds it before launching any pod.
+    lines = workdir / "lines.txt"
+    lines.write_text("a\nb\nc\n")
+    runs = workdir / "runs.txt"
+    nonce = uuid.uuid4().hex  # no record of an earlier run of this test can be a hit
+
+    @flow(task_runner=KineticTaskRunner())
+    def count() -> tuple[int, str | None]:
+        future = count_lines_once.submit(Data(str(lines)), str(runs), nonce)
+        return future.result(), future.state.name
+
+    first, second = count(), count()
+
+    assert first == (3, "Completed")
+    assert second == (3, "Cached")
+    assert runs.read_text().splitlines() == ["ran"]
+    assert len(list((workdir / ".kinetic" / "pods").glob("*.json"))) == 1  # no second pod

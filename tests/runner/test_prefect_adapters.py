@@ -153,3 +153,36 @@ def test_the_pod_context_has_every_part_of_prefects_serialized_context_but_its_s
         assert ours[key] == value, key
     assert ours["tags_context"]["current_tags"] == {"sweep"}
     assert ours["deployment_parameters"] == {"lr": 0.1}
+
+
+def test_a_pinned_cache_policy_stores_the_result_under_its_key(tmp_path: Path):
+    from prefect.cache_policies import INPUTS
+
+    from kinetic_prefect.common import prefect_cache
+
+    def storage(name: str) -> LocalFileSystem:
+        block = LocalFileSystem(basepath=str(tmp_path / name))
+        block.save(f"{name}-{uuid.uuid4().hex[:8]}")
+        return block
+
+    @task(cache_policy=INPUTS, persist_result=True, result_storage=storage("by-inputs"))
+    def by_inputs(x: int) -> int:
+        return x + 1
+
+    pinned = by_inputs.with_options(result_storage=storage("pinned"))
+    prefect_cache.pin_cache_key(pinned, "kp-pinned-key")
+
+    @flow
+    def both() -> str | None:
+        by_inputs(1)
+        pinned(1)
+        task_run = prefect_engine.new_task_run(by_inputs, uuid.uuid4(), {"x": 1}, None, None)
+        return prefect_cache.cache_key(by_inputs, task_run, {"x": 1})
+
+    computed = both()
+
+    # The key computed here is the one Prefect's engine stored the result under.
+    assert [p.name for p in (tmp_path / "by-inputs").iterdir()] == [computed]
+    assert [p.name for p in (tmp_path / "pinned").iterdir()] == ["kp-pinned-key"]
+    assert isinstance(pinned.cache_policy, prefect_cache.PinnedKey)
+    assert pinned.cache_policy.isolation_level == by_inputs.cache_policy.isolation_level
