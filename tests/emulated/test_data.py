@@ -240,16 +240,25 @@ def count_lines_once(path: str, runs: str, nonce: str) -> int:
 
 
 @pytest.mark.lowest_prefect
-def test_a_task_taking_data_is_cached_under_the_key_of_its_shipped_parameters(workdir: Path):
+@pytest.mark.parametrize("storage", ["local", "gcs"])
+def test_a_task_taking_data_is_cached_under_the_key_of_its_shipped_parameters(
+    storage: str, workdir: Path, request: pytest.FixtureRequest
+):
     # The pod sees a local path where the orchestrator shipped a `DataRef`: the result
     # must be stored under the key the orchestrator looks up, so the second flow run
-    # finds it before launching any pod.
+    # finds it before launching any pod. With results in a GCS bucket the pod does not
+    # look the key up itself, as on GKE: it only writes.
     lines = workdir / "lines.txt"
     lines.write_text("a\nb\nc\n")
     runs = workdir / "runs.txt"
     nonce = uuid.uuid4().hex  # no record of an earlier run of this test can be a hit
 
-    @flow(task_runner=KineticTaskRunner())
+    if storage == "local":
+        runner = KineticTaskRunner()
+    else:
+        runner = KineticTaskRunner(cluster=gcs_cluster(request.getfixturevalue("gcs"), "cache"))
+
+    @flow(task_runner=runner)
     def count() -> tuple[int, str | None]:
         future = count_lines_once.submit(Data(str(lines)), str(runs), nonce)
         return future.result(), future.state.name
