@@ -293,10 +293,13 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
     def cancel_all(self) -> None:
         """Cancel every unfinished task run: pods stopped, runs and futures `Cancelled`.
 
-        As with Prefect's own runners, this is what leaving the flow does to task
-        runs that are still going, and the runner takes no new work afterwards:
-        `submit` raises `RuntimeError` (a new runner, or this one entered again,
-        works normally).
+        This is what leaving the flow does to task runs that are still going, and the
+        runner takes no new work afterwards: `submit` raises `RuntimeError`, as with
+        Prefect's own runners (a new runner, or this one entered again, works normally).
+        Unlike Prefect's thread and process pools, which let a task that has started
+        finish before the flow returns, a running pod is stopped too: a flow that
+        returns without waiting on its futures does not keep accelerators busy for
+        work nobody collects. Wait on the futures you want (`wait(futures)`).
         """
         with self._lock:
             self._cancelled_all = True
