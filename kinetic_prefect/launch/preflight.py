@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 from prefect.logging import get_logger
@@ -36,6 +37,24 @@ def check_result_storage(storage: Any) -> None:
             f"The GcsBucket result storage for bucket {storage.bucket!r} is not saved, so Prefect "
             f"cannot load it where results are read. {how}"
         )
+
+
+def check_relative_result_storage(storage: Any) -> None:
+    """A `LocalFileSystem` with a relative basepath is refused: a task runs in its pod's
+    own working directory (its extracted code), so the pod would write its results in
+    another folder than the one this process reads them from."""
+    from prefect.filesystems import LocalFileSystem
+
+    if not isinstance(storage, LocalFileSystem) or not storage.basepath:
+        return
+    basepath = str(storage.basepath)
+    if "://" in basepath or Path(basepath).expanduser().is_absolute():
+        return
+    raise ConfigurationError(
+        f"Result storage LocalFileSystem(basepath={basepath!r}) is a relative path: the task "
+        "runs in its pod's own working directory, so the pod and the flow would resolve it to "
+        f"different folders. Give an absolute path (for example {str(Path(basepath).resolve())!r})."
+    )
 
 
 def orchestrator_client(cluster: Any) -> Any:

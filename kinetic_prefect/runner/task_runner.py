@@ -457,6 +457,7 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
             from_cluster = True
         if "://" in settings.resolved_jobs_root():
             preflight.check_result_storage(storage)
+        preflight.check_relative_result_storage(storage)
         if from_cluster:
             task = task.with_options(result_storage=storage, persist_result=True)
         return task
