@@ -154,6 +154,8 @@ class Launcher:
                 self.resources.flow_run_key,
             )
             if cached is not None:
+                if cached.is_completed():
+                    prefect_bridge.run_completion_hooks(launch.task, launch.task_run, cached)
                 self.post(launch, Prepared(inputs, cached=cached))
                 return
             if launch.cancelled:

@@ -108,6 +108,29 @@ def cache_lookup(task: Any, task_run: TaskRun, parameters: Mapping[str, Any]) ->
     return (store, key) if key else None
 
 
+def run_completion_hooks(task: Any, task_run: TaskRun, state: State[Any]) -> None:
+    """Run the task's `on_completion` hooks for a state no pod reached (a cache hit found
+    before launching), as Prefect's engine runs them for its own cache hits: each logged
+    to the task run, a failing one logged and passed over."""
+    import asyncio
+
+    from prefect.logging.loggers import task_run_logger
+    from prefect.utilities.asyncutils import run_coro_as_sync
+
+    logger = task_run_logger(task_run, task=task)
+    for hook in task.on_completion_hooks or []:
+        name = getattr(hook, "__name__", repr(hook))
+        try:
+            logger.info("Running hook %r in response to entering state %r", name, state.name)
+            result = hook(task, task_run, state)
+            if asyncio.iscoroutine(result):
+                run_coro_as_sync(result)
+        except Exception:
+            logger.error("An error was encountered while running hook %r", name, exc_info=True)
+        else:
+            logger.info("Hook %r finished running successfully", name)
+
+
 def cached(record: Any) -> State[Any]:
     """Prefect's `Cached` state for a result record found in the result store."""
     from prefect.states import Completed

@@ -14,7 +14,9 @@ import dataclasses
 import os
 import threading
 import time
+import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prefect import flow, get_client, tags, task
@@ -655,3 +657,39 @@ def test_large_parameters_reach_the_pod_whole():
         return summarise.submit(list(range(10_000))).result()
 
     assert run() == (10_000, sum(range(10_000)))
+
+
+def test_a_cache_hit_found_before_any_pod_runs_the_on_completion_hooks_as_prefect_does(
+    workdir: Path,
+):
+    from prefect.cache_policies import INPUTS
+
+    hook_log = str(workdir / "hooks.txt")
+
+    def note_completion(task: object, task_run: object, state: Any) -> None:
+        with open(hook_log, "a") as log:
+            log.write(f"{state.name}\n")
+
+    @task(cache_policy=INPUTS, persist_result=True, on_completion=[note_completion])
+    def squared(x: int, nonce: str) -> int:
+        return x * x
+
+    def twice(runner: Any) -> list[str]:
+        # A key of its own: no record of another run of this test can be a hit.
+        nonce = uuid.uuid4().hex
+
+        @flow(task_runner=runner)
+        def run() -> str:
+            future = squared.submit(3, nonce)
+            future.wait()
+            return future.state.name
+
+        return [run(), run()]
+
+    prefects = twice(ThreadPoolTaskRunner())
+    prefects_hooks = Path(hook_log).read_text().splitlines()
+    Path(hook_log).unlink()
+    ours = twice(KineticTaskRunner())
+
+    assert prefects == ours == ["Completed", "Cached"]
+    assert Path(hook_log).read_text().splitlines() == prefects_hooks == ["Completed", "Cached"]
