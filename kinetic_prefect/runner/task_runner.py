@@ -25,6 +25,7 @@ from prefect.utilities.annotations import quote
 from prefect.utilities.collections import StopVisiting, visit_collection
 
 from kinetic_prefect.backends.base import Backend
+from kinetic_prefect.errors import PayloadError
 from kinetic_prefect.launch import identity, prefect_context, preflight
 from kinetic_prefect.launch.accelerators import parse_accelerator
 from kinetic_prefect.launch.manifest import new_job_id as make_job_id
@@ -97,6 +98,20 @@ def _contains_future(value: Any) -> bool:
     def visit(item: Any) -> Any:
         nonlocal found
         if isinstance(item, (PrefectFuture, State)):
+            found = True
+        return item
+
+    visit_collection(value, visit_fn=visit, return_data=False)
+    return found
+
+
+def _quoted_future(value: Any) -> bool:
+    """Whether `value` holds a future inside `quote()`, which Prefect leaves unresolved."""
+    found = False
+
+    def visit(item: Any) -> Any:
+        nonlocal found
+        if isinstance(item, quote) and _contains_future(item.unwrap()):
             found = True
         return item
 
@@ -338,6 +353,14 @@ class KineticTaskRunner(TaskRunner[KineticFuture]):
         settings = self._settings()
         accelerator = parse_accelerator(settings.accelerator, spot=spot_request(settings.spot))
         task = self._with_result_storage(task, settings)
+        quoted = [name for name, value in parameters.items() if _quoted_future(value)]
+        if quoted:
+            raise PayloadError(
+                f"Parameter {quoted[0]!r} of task {task.name!r} holds a PrefectFuture inside "
+                "quote(): Prefect hands a quoted future to the task unresolved, and a future "
+                "cannot travel to a pod. Pass the future without quote() to get its result in "
+                "the pod, or pass future.result()."
+            )
         check_picklable({k: v for k, v in parameters.items() if not _contains_future(v)}, task.name)
         task_run = prefect_bridge.new_task_run(
             task, uuid.uuid4(), parameters, wait_for, dependencies

@@ -293,6 +293,22 @@ def test_unpicklable_argument_fails_at_submit_naming_the_parameter(launched_mani
     assert launched_manifests == []
 
 
+def test_a_quoted_future_fails_at_submit_saying_how_to_pass_its_value(launched_manifests):
+    @flow(task_runner=KineticTaskRunner())
+    def run() -> None:
+        upstream = add.submit(1)
+        upstream.wait()
+        describe.submit(quote(upstream))
+
+    with pytest.raises(PayloadError, match=r"Parameter 'value' of task 'describe' .* quote\(\)"):
+        run()
+
+    # The upstream ran; the task given its quoted future was never launched.
+    assert [
+        m["metadata"]["annotations"]["kinetic-prefect.io/task-name"] for m in launched_manifests
+    ] == ["add"]
+
+
 def test_tampered_payload_is_refused_in_the_verify_phase(workdir: Path):
     gate = workdir / "gate"
 
