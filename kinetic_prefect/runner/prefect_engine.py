@@ -55,6 +55,9 @@ def report_state(task_run: TaskRun, state: State[Any]) -> State[Any]:
     last = task_run.state
     if last is not None and last.timestamp >= state.timestamp:
         state.timestamp = last.timestamp + timedelta(microseconds=1)
+    if state.is_running() and task_run.start_time is None:
+        # As Prefect's engine marks a run's start (its own types disagree on the class).
+        task_run.start_time = state.timestamp  # type: ignore[assignment]
     state.state_details.task_run_id = task_run.id
     state.state_details.flow_run_id = task_run.flow_run_id
     task_run.state = state

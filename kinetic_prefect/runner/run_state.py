@@ -366,7 +366,11 @@ def _prepared(state: RunState, cached: State[Any] | None, earlier: EarlierPod | 
             return state, (StopEarlier(earlier.job_id),)
         return state, ()
     if cached is not None:
-        return _conclude(state, cached)
+        if not cached.is_completed():  # a record refused as tampered with: never ran
+            return _conclude(state, cached)
+        # As Prefect's engine records its own cache hits: Running (one run, a start time),
+        # then Cached.
+        return _conclude(dataclasses.replace(state, runs_used=1), cached, Record(Running()))
     if earlier is None:
         return dataclasses.replace(state, phase=Phase.LAUNCHING), (Launch(),)
     job_ids = (*state.job_ids[:-1], earlier.job_id)

@@ -674,22 +674,34 @@ def test_a_cache_hit_found_before_any_pod_runs_the_on_completion_hooks_as_prefec
     def squared(x: int, nonce: str) -> int:
         return x * x
 
-    def twice(runner: Any) -> list[str]:
+    def twice(runner: Any) -> list[tuple[str, int, bool]]:
         # A key of its own: no record of another run of this test can be a hit.
         nonce = uuid.uuid4().hex
 
         @flow(task_runner=runner)
-        def run() -> str:
+        def run() -> Any:
             future = squared.submit(3, nonce)
             future.wait()
-            return future.state.name
+            return future.task_run_id
 
-        return [run(), run()]
+        seen = []
+        for task_run_id in (run(), run()):
+            # The API's view: the state name, the run count, whether it shows a start.
+            wait_until(
+                lambda run_id=task_run_id: _task_run_state(run_id)[0] in ("Completed", "Cached"),
+                60,
+                "the API to record the task run's final state",
+            )
+            with get_client(sync_client=True) as client:
+                task_run = client.read_task_run(task_run_id)
+            assert task_run.state is not None
+            seen.append((task_run.state.name, task_run.run_count, task_run.start_time is not None))
+        return seen
 
     prefects = twice(ThreadPoolTaskRunner())
     prefects_hooks = Path(hook_log).read_text().splitlines()
     Path(hook_log).unlink()
     ours = twice(KineticTaskRunner())
 
-    assert prefects == ours == ["Completed", "Cached"]
+    assert prefects == ours == [("Completed", 1, True), ("Cached", 1, True)]
     assert Path(hook_log).read_text().splitlines() == prefects_hooks == ["Completed", "Cached"]

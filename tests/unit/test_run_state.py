@@ -88,9 +88,17 @@ ROWS = [
         run(Phase.PREPARING),
         Prepared(inputs=None, cached=COMPLETED),
         Phase.FINAL,
-        {"final": COMPLETED, "final_is_runners": True},
+        {"final": COMPLETED, "final_is_runners": True, "runs_used": 1},
+        ["Record", "Record", "Resolve"],
+        id="a cached result: Running then Cached recorded, as Prefect's engine does; no pod",
+    ),
+    pytest.param(
+        run(Phase.PREPARING),
+        Prepared(inputs=None, cached=Failed(message="tampered")),
+        Phase.FINAL,
+        {"final_is_runners": True, "runs_used": 0},
         ["Record", "Resolve"],
-        id="a cached result: recorded and resolved, no pod",
+        id="a cached record refused: Failed recorded, no run counted",
     ),
     pytest.param(
         run(Phase.PREPARING),
@@ -546,3 +554,10 @@ def test_every_pair_keeps_the_rules(state: RunState, event: Any) -> None:
     if after.done:
         assert after.final is not None
     assert all(isinstance(effect, Effect) for effect in done)
+
+
+def test_a_cached_result_records_running_first_then_the_cached_state() -> None:
+    after, done = step(run(Phase.PREPARING), Prepared(inputs=None, cached=COMPLETED))
+    running, cached, resolved = done
+    assert isinstance(running, Record) and running.state.is_running()
+    assert cached == Record(COMPLETED) and resolved == Resolve(COMPLETED)
