@@ -154,7 +154,7 @@ class Launcher:
                 self.resources.flow_run_key,
             )
             if cached is not None:
-                if cached.is_completed():
+                if cached.is_completed() and not launch.cancelled:
                     prefect_bridge.run_completion_hooks(launch.task, launch.task_run, cached)
                 self.post(launch, Prepared(inputs, cached=cached))
                 return

@@ -39,6 +39,7 @@ from prefect.logging import get_logger
 from prefect.states import State
 
 from kinetic_prefect.backends.base import Backend, FoundPod, PodExit
+from kinetic_prefect.common import prefect_cache
 from kinetic_prefect.common.storage import JobsStore
 from kinetic_prefect.launch.identity import task_identity
 from kinetic_prefect.launch.manifest import LABEL_TASK_IDENTITY
@@ -82,13 +83,14 @@ def reuses_completed_pods(task: Any) -> bool:
     when the task opts out of reused results, as it would of Prefect's cache
     (`cache_policy=NO_CACHE`, which `persist_result=False` implies, or `refresh_cache`,
     the task's or else `PREFECT_TASKS_REFRESH_CACHE`)."""
-    from prefect.cache_policies import NO_CACHE
     from prefect.settings import get_current_settings
 
     refresh = task.refresh_cache
     if refresh is None:
         refresh = get_current_settings().tasks.refresh_cache
-    return not refresh and not isinstance(task.cache_policy, type(NO_CACHE))
+    # As Prefect caches: by a policy that gives keys, or by a `result_storage_key`.
+    caches = prefect_cache.caches(task) or task.result_storage_key is not None
+    return not refresh and caches
 
 
 class Reattacher:

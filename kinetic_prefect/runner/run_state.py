@@ -315,9 +315,9 @@ def step(state: RunState, event: Event) -> Step:
             if state.done:
                 return state, ()
             if state.phase is Phase.RUNNING:
-                # Its pod ends itself on reading the marked lease (or completes first);
-                # whatever its end, no further pod follows.
-                return dataclasses.replace(state, cancelled=True), ()
+                # Left to its pod, which ends itself on reading the marked lease (or
+                # completes first): its end, read as stopped, concludes the run.
+                return state, ()
             # No pod of its own to end it: it ends now, before an upstream's pod ending
             # itself could make it NotReady, or a retry's delay could launch a pod.
             return step(state, Cancel(message))

@@ -106,16 +106,22 @@ def _contains_future(value: Any) -> bool:
 
 
 def _quoted_future(value: Any) -> bool:
-    """Whether `value` holds a future inside `quote()`, which Prefect leaves unresolved."""
+    """Whether `value` holds a future inside `quote()`, which Prefect leaves unresolved
+    (a quoted `State` is a value like any other)."""
     found = False
 
     def visit(item: Any) -> Any:
         nonlocal found
-        if isinstance(item, quote) and _contains_future(item.unwrap()):
+        if isinstance(item, PrefectFuture):
             found = True
         return item
 
-    visit_collection(value, visit_fn=visit, return_data=False)
+    def visit_quoted(item: Any) -> Any:
+        if isinstance(item, quote):
+            visit_collection(item.unwrap(), visit_fn=visit, return_data=False)
+        return item
+
+    visit_collection(value, visit_fn=visit_quoted, return_data=False)
     return found
 
 
