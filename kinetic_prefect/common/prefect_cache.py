@@ -29,6 +29,15 @@ def caches(task: Any) -> bool:
     return isinstance(policy, CachePolicy) and not isinstance(policy, type(NO_CACHE))
 
 
+def refreshes(task: Any) -> bool:
+    """Whether the task always runs again (`refresh_cache`, else `PREFECT_TASKS_REFRESH_CACHE`)."""
+    from prefect.settings import get_current_settings
+
+    if task.refresh_cache is not None:
+        return bool(task.refresh_cache)
+    return bool(get_current_settings().tasks.refresh_cache)
+
+
 def cache_key(
     task: Any, task_run: Any, parameters: Mapping[str, Any], result_store: Any = None
 ) -> str | None:

@@ -97,14 +97,8 @@ def cache_lookup(task: Any, task_run: TaskRun, parameters: Mapping[str, Any]) ->
     is `kinetic_prefect.runner.result_check`'s business.
     """
     from prefect.results import get_result_store
-    from prefect.settings import PREFECT_TASKS_REFRESH_CACHE
 
-    refresh = (
-        task.refresh_cache
-        if task.refresh_cache is not None
-        else PREFECT_TASKS_REFRESH_CACHE.value()
-    )
-    if refresh or not prefect_cache.caches(task):
+    if prefect_cache.refreshes(task) or not prefect_cache.caches(task):
         return None
     store: Any = get_result_store().update_for_task(task, _sync=True)  # type: ignore[call-arg]
     key = prefect_cache.cache_key(task, task_run, parameters, store)

@@ -83,14 +83,9 @@ def reuses_completed_pods(task: Any) -> bool:
     when the task opts out of reused results, as it would of Prefect's cache
     (`cache_policy=NO_CACHE`, which `persist_result=False` implies, or `refresh_cache`,
     the task's or else `PREFECT_TASKS_REFRESH_CACHE`)."""
-    from prefect.settings import get_current_settings
-
-    refresh = task.refresh_cache
-    if refresh is None:
-        refresh = get_current_settings().tasks.refresh_cache
     # As Prefect caches: by a policy that gives keys, or by a `result_storage_key`.
     caches = prefect_cache.caches(task) or task.result_storage_key is not None
-    return not refresh and caches
+    return caches and not prefect_cache.refreshes(task)
 
 
 class Reattacher:

@@ -110,18 +110,13 @@ def _quoted_future(value: Any) -> bool:
     (a quoted `State` is a value like any other)."""
     found = False
 
-    def visit(item: Any) -> Any:
+    def visit(item: Any, context: dict[str, Any]) -> Any:
         nonlocal found
-        if isinstance(item, PrefectFuture):
+        if isinstance(item, PrefectFuture) and isinstance(context.get("annotation"), quote):
             found = True
         return item
 
-    def visit_quoted(item: Any) -> Any:
-        if isinstance(item, quote):
-            visit_collection(item.unwrap(), visit_fn=visit, return_data=False)
-        return item
-
-    visit_collection(value, visit_fn=visit_quoted, return_data=False)
+    visit_collection(value, visit_fn=visit, context={}, return_data=False)
     return found
 
 

@@ -428,9 +428,16 @@ def test_a_flow_retry_reuses_a_completed_pod_unless_the_task_opts_out_of_reused_
 
 
 def test_a_quoted_state_is_a_value_and_is_not_refused_as_a_quoted_future():
+    import concurrent.futures
+    import uuid
+
+    from prefect.futures import PrefectConcurrentFuture
     from prefect.states import Completed
 
     from kinetic_prefect.runner.task_runner import _quoted_future
 
     assert not _quoted_future(quote(Completed(data=1)))
     assert not _quoted_future({"states": quote([Completed(data=1)])})
+    future = PrefectConcurrentFuture(uuid.uuid4(), concurrent.futures.Future())
+    assert _quoted_future({"runs": quote([future])})
+    assert not _quoted_future({"runs": [future]})
