@@ -86,6 +86,22 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         end_scratch(session.config, exitstatus)
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """Keep each phase's report on the item, so a fixture's teardown knows the case failed."""
+    report = yield
+    setattr(item, f"report_{report.when}", report)
+    return report
+
+
+def failed(request: pytest.FixtureRequest) -> bool:
+    """Whether the case failed in its setup or its call (read in a fixture's teardown)."""
+    return any(
+        getattr(getattr(request.node, f"report_{when}", None), "failed", False)
+        for when in ("setup", "call")
+    )
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     if not is_xdist_worker(session.config):  # once a run, before any worker starts
         from tests.support.cache_prune import prune_environment_caches
@@ -345,16 +361,21 @@ class GcsTestBucket:
 
 
 @pytest.fixture
-def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[KubeCluster]:
+def cluster(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> Iterator[KubeCluster]:
     """An emulated cluster the kubeconfig points at; every Job created must validate strictly.
 
     It enforces RBAC from deployments/k8s/rbac.yaml (tests/support/kube_auth.py): a request
     it refuses fails the test unless the test set `cluster.refusals_expected`, so a
-    permission the product lacks cannot hide behind a swallowed error.
+    permission the product lacks cannot hide behind a swallowed error. A case that failed
+    prints the end of each pod's log, which goes with the cluster.
     """
     with running_cluster(tmp_path / "cluster") as emulated:
         monkeypatch.setenv("KUBECONFIG", str(emulated.kubeconfig))
         yield emulated
+        if failed(request):
+            emulated.kubelet.print_log_tails()
         created = emulated.created_jobs()
         refusals = [] if emulated.refusals_expected else emulated.refusals()
     assert refusals == [], f"The cluster refused requests: {refusals}"

@@ -11,13 +11,18 @@ import re
 import time
 
 import pytest
-from prefect import flow, get_client, task
+from prefect import flow, task
 from prefect.futures import wait
 
 from kinetic_prefect import resources
 from tests.runner.test_task_runner import wait_for_gate
 from tests.support.kube_objects import gke_nodes
-from tests.support.waiting import wait_for_task_run_state, wait_past_jobs, wait_until
+from tests.support.waiting import (
+    recorded_task_run,
+    wait_for_task_run_state,
+    wait_past_jobs,
+    wait_until,
+)
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
 
@@ -74,8 +79,7 @@ def test_four_tasks_on_two_nodes_all_complete_waiting_for_capacity_past_the_pend
     assert results == ["opened"] * 4
     assert cluster.kubelet.most_bound["l4-pool"] == 2
     assert len(cluster.created_jobs()) == 4  # one pod each: none failed to start, none retried
-    with get_client(sync_client=True) as client:
-        runs = [client.read_task_run(i) for i in task_run_ids]  # type: ignore[arg-type]
+    runs = [recorded_task_run(i) for i in task_run_ids]
     assert {r.run_count for r in runs} == {1}
     waited = [m for i in task_run_ids for kind, m in _history(i) if kind == "PENDING"]
     assert any(

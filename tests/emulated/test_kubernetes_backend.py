@@ -21,7 +21,7 @@ import kmock
 import kubernetes_validate
 import pytest
 import yaml
-from prefect import flow, get_client, task
+from prefect import flow, task
 from prefect.exceptions import TerminationSignal
 from prefect.futures import wait
 from prefect.settings import PREFECT_API_KEY, temporary_settings
@@ -34,7 +34,7 @@ from tests.runner.test_task_runner import raise_in_a_pod
 from tests.support.gcs_iam import PODS_MEMBER
 from tests.support.kube import TESTER, KubeCluster
 from tests.support.kube_auth import User
-from tests.support.waiting import wait_for_task_run_state, wait_until
+from tests.support.waiting import recorded_history, wait_for_task_run_state, wait_until
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
 
@@ -76,9 +76,8 @@ def _runner(gke: str, **options: object) -> KineticTaskRunner:
 
 
 def _state_messages(task_run_id: object) -> list[tuple[str, str]]:
-    with get_client(sync_client=True) as client:
-        states = client.read_task_run_states(task_run_id)  # type: ignore[arg-type]
-    return [(s.type.value, s.message or "") for s in sorted(states, key=lambda s: s.timestamp)]
+    """(type, message) of each state the API recorded for an ended task run, oldest first."""
+    return [(s.type.value, s.message or "") for s in recorded_history(task_run_id)]
 
 
 def _failed_run(runner: KineticTaskRunner, submitted: object = trivial) -> tuple[str, str, str]:

@@ -23,7 +23,7 @@ from tests.emulated.test_kubernetes_backend import _runner
 from tests.runner.test_multihost import CPU_JAX, gather_host_indices_and_pids
 from tests.support.kube import NAMESPACE, KubeCluster
 from tests.support.kube_objects import gke_nodes
-from tests.support.waiting import wait_until
+from tests.support.waiting import recorded_task_run, wait_until
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
 
@@ -188,9 +188,7 @@ def test_a_flow_cancelled_while_jobs_are_queued_leaves_no_suspended_job_or_waiti
         left=lambda: [_summary(o) for o in cluster.jobs() + cluster.workloads()],
     )
     assert _suspended(cluster) == 0
-    with get_client(sync_client=True) as client:
-        states = [client.read_task_run(run).state for run in runs]  # type: ignore[arg-type]
-    assert [s.type.value for s in states] == ["CANCELLED"] * 6  # type: ignore[union-attr]
+    assert [recorded_task_run(run).state.type.value for run in runs] == ["CANCELLED"] * 6
 
 
 def _in_background(fn: Any) -> concurrent.futures.Future[Any]:

@@ -6,11 +6,12 @@ import os
 import signal
 
 import pytest
-from prefect import flow, get_client, task
+from prefect import flow, task
 from prefect.runtime import task_run
 
 from kinetic_prefect import KineticTaskRunner
 from kinetic_prefect.outputs.checkpoint import checkpoint_manager
+from tests.support.waiting import recorded_history
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
 
@@ -40,9 +41,7 @@ def count_with_emergency_save(steps: int) -> int:
 
 
 def _messages(task_run_id: object) -> list[str]:
-    with get_client(sync_client=True) as client:
-        states = client.read_task_run_states(task_run_id)  # type: ignore[arg-type]
-    return [s.message or "" for s in sorted(states, key=lambda s: s.timestamp)]
+    return [s.message or "" for s in recorded_history(task_run_id)]
 
 
 def test_preemptions_do_not_use_the_tasks_retries_and_are_named_in_its_history():

@@ -25,7 +25,7 @@ from kinetic_prefect.cli.jobs_store import cleanup_jobs
 from kinetic_prefect.errors import ConfigurationError
 from kinetic_prefect.outputs.checkpoint import checkpoint_manager, output_dir
 from tests.support.clusters import gcs_cluster
-from tests.support.waiting import wait_for_task_run_state
+from tests.support.waiting import recorded_task_run, wait_for_task_run_state
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
 
@@ -122,9 +122,7 @@ def test_a_killed_pod_and_a_failing_relaunch_run_the_task_once_per_retry():
 
     state, task_run_id = run()
 
-    with get_client(sync_client=True) as client:
-        runs = client.read_task_run(task_run_id).run_count  # type: ignore[arg-type]
-    assert (state, runs) == ("FAILED", 2)
+    assert (state, recorded_task_run(task_run_id).run_count) == ("FAILED", 2)
 
 
 def test_results_are_prefect_records_in_the_bucket_readable_by_a_plain_prefect_process(
@@ -414,8 +412,7 @@ def _submitted_once(runner: Any, task: Any, store: Any) -> tuple[str, object, An
         return future.job_id, future.task_run_id, getattr(data, "metadata", data)
 
     job_id, task_run_id, metadata = once()
-    with get_client(sync_client=True) as client:
-        flow_run_id = client.read_task_run(task_run_id).flow_run_id  # type: ignore[arg-type]
+    flow_run_id = recorded_task_run(task_run_id).flow_run_id
     key = record_key.flow_run_key(record_key.master_key(), str(flow_run_id))
 
     def attempt_end() -> Any:

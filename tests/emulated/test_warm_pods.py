@@ -26,7 +26,7 @@ from kinetic_prefect.cli import app
 from kinetic_prefect.common import layout
 from kinetic_prefect.common.handover import BEGIN_MARK
 from kinetic_prefect.outputs.checkpoint import output_dir
-from tests.support.waiting import wait_for_task_run_state, wait_until
+from tests.support.waiting import recorded_task_run, wait_for_task_run_state, wait_until
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
 
@@ -424,13 +424,7 @@ def test_a_task_queued_on_a_pod_that_dies_before_taking_it_runs_on_a_fresh_pod_a
     assert queued_pid != killed_pid
     assert len(_pods(workdir)) == 2
 
-    async def run_count() -> int:
-        async with get_client() as client:
-            return (await client.read_task_run(queued_id)).run_count
-
-    import anyio
-
-    assert anyio.run(run_count) == 1
+    assert recorded_task_run(queued_id).run_count == 1
 
 
 def test_cancelling_a_flows_tasks_cancels_one_queued_on_a_busy_warm_pod_and_starts_no_pod(

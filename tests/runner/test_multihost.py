@@ -7,10 +7,11 @@ import signal
 from pathlib import Path
 
 import pytest
-from prefect import flow, get_client, task
+from prefect import flow, task
 
 from kinetic_prefect import KineticTaskRunner
 from kinetic_prefect.outputs.checkpoint import checkpoint_manager, output_dir
+from tests.support.waiting import recorded_history
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
 
@@ -92,9 +93,7 @@ def a_host_fails_the_first_attempt(marks: str, failing_host: int) -> int:
 
 
 def _states(task_run_id: object) -> list[object]:
-    with get_client(sync_client=True) as client:
-        states = client.read_task_run_states(task_run_id)  # type: ignore[arg-type]
-    return sorted(states, key=lambda s: s.timestamp)
+    return recorded_history(task_run_id)
 
 
 def _state_types(task_run_id: object) -> list[str]:

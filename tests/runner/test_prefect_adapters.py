@@ -24,7 +24,7 @@ from kinetic_prefect.common import prefect_results
 from kinetic_prefect.launch import prefect_context
 from kinetic_prefect.runner import prefect_engine
 from kinetic_prefect.worker.prefect_observer import cancelling_observer
-from tests.support.waiting import wait_until
+from tests.support.waiting import recorded_task_run, wait_until
 
 pytestmark = [pytest.mark.lowest_prefect, pytest.mark.usefixtures("prefect_api", "workdir")]
 
@@ -66,8 +66,7 @@ def test_a_persisted_result_is_read_back_as_its_stored_bytes_then_deserialised(t
         return answer.submit().task_run_id  # type: ignore[return-value]
 
     task_run_id = one()
-    with get_client(sync_client=True) as client:
-        state = client.read_task_run(task_run_id).state
+    state = recorded_task_run(task_run_id).state
     metadata = prefect_results.result_reference(state)
 
     stored = prefect_results.read_stored(metadata)

@@ -193,6 +193,12 @@ class Kubelet:
         self._scaling: dict[str, int] = {}
         self._scale_ups_allowed: asyncio.Event | None = None
 
+    def print_log_tails(self, lines: int = 40) -> None:
+        """Print the end of each pod's log (for a failed case: the logs go with the cluster)."""
+        for log in sorted(self.workspace.glob("*.log")):
+            tail = log.read_text(errors="replace").splitlines()[-lines:]
+            print(f"--- the last {len(tail)} lines of pod log {log.name} ---", *tail, sep="\n")
+
     def hold_scale_ups(self) -> None:
         """New nodes wait for `release_scale_ups` (call both on the cluster's loop)."""
         self._allowed().clear()

@@ -5,10 +5,12 @@ A run writes and unpacks a few GB (nodes' environment caches, pods' working
 directories, data and code archives, Prefect servers' SQLite databases). On this
 machine, through ext4 on a virtual disk, the file-heavy cases took about a tenth more
 CPU than on tmpfs (docs/testing.md, "Scratch in RAM"). So unless `--basetemp` is
-given, each pytest run (the main suite and the lowest-Prefect run beside it each have
-their own) uses a directory under `/dev/shm` when that is a tmpfs that allows
-executables and has `MIN_FREE_BYTES` free; otherwise pytest's usual place. A passing
-run removes it; a failing one leaves it and says where.
+given, each pytest run uses a directory of its own under `/dev/shm` when that is a tmpfs
+that allows executables and has `MIN_FREE_BYTES` free; otherwise pytest's usual place.
+A passing run removes it; a failing one leaves it and says where, and the next run of
+the same checkout removes it once the run that made it has ended. Runs side by side (the
+main suite and the lowest-Prefect run, or a focused run beside a whole one) never touch
+each other's.
 """
 
 from __future__ import annotations
@@ -44,11 +46,13 @@ def tmpfs_root(mounts: str, mount_point: str, free_bytes: int) -> bool:
     return False
 
 
-def scratch_dir(rootdir: Path, interpreter: str = sys.prefix) -> Path | None:
+def scratch_dir(
+    rootdir: Path, interpreter: str = sys.prefix, pid: int | None = None
+) -> Path | None:
     """This run's scratch directory in RAM, or None where there is no room for it.
 
-    Named after the checkout and the interpreter's environment: two checkouts, or the
-    main suite and the lowest-Prefect run of one, never share it.
+    Named after the checkout, the interpreter's environment and the run's process (the
+    xdist controller, whose workers are told its `--basetemp`): no two runs share it.
     """
     try:
         mounts = Path("/proc/mounts").read_text()
@@ -58,7 +62,28 @@ def scratch_dir(rootdir: Path, interpreter: str = sys.prefix) -> Path | None:
     if not tmpfs_root(mounts, SHM, stats.f_bavail * stats.f_frsize):
         return None
     digest = hashlib.sha256(f"{rootdir.resolve()}\0{interpreter}".encode()).hexdigest()[:12]
-    return Path(SHM) / f"kinetic-prefect-tests-{os.getuid()}-{digest}"
+    return Path(SHM) / f"kinetic-prefect-tests-{os.getuid()}-{digest}-{pid or os.getpid()}"
+
+
+def ended_runs_scratch(root: Path) -> list[Path]:
+    """The scratch directories of earlier runs like this one's whose process has ended."""
+    prefix = root.name.rsplit("-", 1)[0]
+    ended = []
+    for path in root.parent.glob(f"{prefix}-*"):
+        pid = path.name.rsplit("-", 1)[1]
+        if path != root and pid.isdigit() and not _alive(int(pid)):
+            ended.append(path)
+    return ended
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process of that number
+        return True
+    return True
 
 
 def use_scratch(config: pytest.Config) -> None:
@@ -69,6 +94,8 @@ def use_scratch(config: pytest.Config) -> None:
     root = scratch_dir(config.rootpath)
     if root is None:
         return
+    for left in ended_runs_scratch(root):
+        shutil.rmtree(left, ignore_errors=True)
     shutil.rmtree(root, ignore_errors=True)
     (root / "tmp").mkdir(parents=True)
     config.option.basetemp = str(root / "pytest")

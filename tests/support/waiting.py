@@ -6,7 +6,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -82,6 +82,39 @@ def task_run_state(task_run_id: object) -> object:
             return client.read_task_run(task_run_id).state  # type: ignore[arg-type]
         except ObjectNotFound:
             return None
+
+
+def recorded_task_run(task_run_id: object, timeout: float = 30.0) -> Any:
+    """The task run as the API has it once it shows a final state.
+
+    Task-run states reach the API as events, recorded by the server after the flow that
+    caused them may have returned: a read straight after a flow can see an older state, or
+    none. The recorder keeps the newest state on the run's row, so once a final one shows,
+    the row (its run count too) is the run's last word; the states before it were sent
+    before it.
+    """
+    from prefect import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    def probe() -> Any:
+        with get_client(sync_client=True) as client:
+            try:
+                task_run = client.read_task_run(task_run_id)  # type: ignore[arg-type]
+            except ObjectNotFound:
+                return None
+        return task_run if task_run.state is not None and task_run.state.is_final() else None
+
+    return wait_until(probe, timeout, f"the API to record a final state of task run {task_run_id}")
+
+
+def recorded_history(task_run_id: object, timeout: float = 30.0) -> list[Any]:
+    """Every state the API recorded for the task run, oldest first, once it shows a final one."""
+    from prefect import get_client
+
+    recorded_task_run(task_run_id, timeout)
+    with get_client(sync_client=True) as client:
+        states = client.read_task_run_states(task_run_id)  # type: ignore[arg-type]
+    return sorted(states, key=lambda s: s.timestamp)
 
 
 def wait_for_task_run_state(task_run_id: object, state_type: str, timeout: float = 30.0) -> object:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.scratch import MIN_FREE_BYTES, tmpfs_root
+from tests.support.scratch import MIN_FREE_BYTES, ended_runs_scratch, tmpfs_root
 
 ROOT = "/dev/vda / ext4 rw,relatime,discard 0 0"
 SHM = "tmpfs /dev/shm tmpfs rw,relatime,size=24684084k 0 0"
@@ -31,3 +31,23 @@ def test_scratch_goes_to_ram_only_on_a_roomy_executable_tmpfs(
     mounts: str, free: int, expected: bool
 ) -> None:
     assert tmpfs_root(mounts, "/dev/shm", free) is expected
+
+
+def test_a_run_removes_only_the_scratch_of_ended_runs_of_its_checkout(tmp_path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    mine = tmp_path / f"kinetic-prefect-tests-0-abc-{os.getpid()}"
+    dirs = {
+        "mine": mine,
+        "an ended run": tmp_path / f"kinetic-prefect-tests-0-abc-{ended.pid}",
+        "a run still going": tmp_path / f"kinetic-prefect-tests-0-abc-{os.getppid()}",
+        "another checkout": tmp_path / f"kinetic-prefect-tests-0-def-{ended.pid}",
+    }
+    for path in dirs.values():
+        path.mkdir()
+
+    assert ended_runs_scratch(mine) == [dirs["an ended run"]]

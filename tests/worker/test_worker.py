@@ -210,6 +210,25 @@ def task_runs_of(client: Any, flow_run_id: uuid.UUID) -> list[Any]:
     )
 
 
+def ended_task_runs_of(client: Any, flow_run_id: uuid.UUID, count: int) -> list[Any]:
+    """The flow run's `count` task runs once the API shows each in a final state.
+
+    Their states reach the API as events, recorded after the flow run's own state.
+    """
+
+    def ended() -> list[Any] | None:
+        runs = task_runs_of(client, flow_run_id)
+        final = len(runs) == count and all(r.state is not None and r.state.is_final() for r in runs)
+        return runs if final else None
+
+    return wait_until(
+        ended,
+        30,
+        f"{count} task runs of flow run {flow_run_id} to show final states",
+        left=lambda: [(r.name, r.state_name) for r in task_runs_of(client, flow_run_id)],
+    )
+
+
 def pod_job_id(client: Any, task_run_id: uuid.UUID) -> str:
     """The job id in the "Kinetic pod" artifact the task runner attaches to a task run."""
     artifacts = client.read_artifacts(
@@ -293,7 +312,7 @@ def test_deployed_sweep_runs_in_a_flow_pod_whose_tasks_run_in_pods_of_their_own(
         flow_run = run_sweep(client, SMALL_SWEEP)
         final = wait_for_final_state(stack, client, flow_run.id)
         flow_job = client.read_flow_run(flow_run.id).infrastructure_pid
-        task_runs = task_runs_of(client, flow_run.id)
+        task_runs = ended_task_runs_of(client, flow_run.id, len(SMALL_SWEEP["configs"]))
         task_jobs = [pod_job_id(client, task_run.id) for task_run in task_runs]
 
     records = [
@@ -376,10 +395,10 @@ def test_cancelling_a_running_flow_run_stops_its_flow_and_task_pods_and_cancels_
             "every pod of the flow run to end",
         )
         final = wait_for_final_state(stack, client, flow_run.id)
-        task_states = {t.state.type.value for t in task_runs_of(client, flow_run.id)}
+        task_states = [t.state.type.value for t in ended_task_runs_of(client, flow_run.id, 1)]
 
     assert final.is_cancelled(), final.message
-    assert task_states == {"CANCELLED"}
+    assert task_states == ["CANCELLED"]
 
 
 @pytest.mark.lowest_prefect
