@@ -464,3 +464,29 @@ def test_with_kueue_serving_only_v1beta2_a_queued_task_run_still_shows_its_posit
     # What the runner asked of Kueue's APIs, all at the served version.
     paths = [r.url.path for r in cluster.client_requests() if "kueue.x-k8s.io/" in r.url.path]
     assert paths and not [p for p in paths if "/v1beta1/" in p]
+
+
+def test_a_queue_name_kueue_has_no_local_queue_for_fails_the_task_naming_it(gke, cluster):
+    _tpu_v5e_4_cluster(cluster)
+    # Past pytest-timeout's backstop: a run that waited for its pending timeout cannot pass.
+    runner = _runner(
+        gke, accelerator="tpu-v5e-4", queue_name="tpu-typo", pending_timeout_seconds=3600
+    )
+
+    @flow(task_runner=runner)
+    def one() -> tuple[str, str]:
+        future = hold.submit(1, gate="")
+        future.wait()
+        return future.state.type.value, future.state.message or ""
+
+    state, message = one()
+
+    assert state == "FAILED"
+    assert "Kueue cannot admit the Job: LocalQueue tpu-typo doesn't exist" in message
+    assert f"kubectl get localqueues -n {NAMESPACE}" in message
+    wait_until(
+        lambda: not cluster.jobs() and not cluster.workloads(),
+        60,
+        "the Job and its Workload to be deleted",
+        left=lambda: [_summary(o) for o in cluster.jobs() + cluster.workloads()],
+    )

@@ -174,15 +174,19 @@ class Kueue:
         if plural == "resourceflavors":
             self.flavors[meta["name"]] = dict((obj.get("spec") or {}).get("nodeLabels") or {})
         elif plural == "clusterqueues":
-            self.cluster_queues[meta["name"]] = dict(obj.get("spec") or {})
+            if gone:
+                self.cluster_queues.pop(meta["name"], None)
+            else:
+                self.cluster_queues[meta["name"]] = dict(obj.get("spec") or {})
         elif plural == "localqueues":
             key = (meta.get("namespace") or "", meta["name"])
-            self.local_queues[key] = str((obj.get("spec") or {}).get("clusterQueue"))
+            if gone:
+                self.local_queues.pop(key, None)
+            else:
+                self.local_queues[key] = str((obj.get("spec") or {}).get("clusterQueue"))
         elif plural == JOBS:
             self._observe_job(event_type, obj)
         else:
-            return
-        if gone and plural in {"clusterqueues", "localqueues"}:
             return
         self._changed.set()
 
@@ -293,7 +297,29 @@ class Kueue:
                     used[key] = used.get(key, 0.0) + value
         return used
 
+    def _queue_blocker(self, workload: _Workload) -> str | None:
+        """Kueue's message for a Workload whose LocalQueue, or its ClusterQueue, is missing
+        (`getQueueBlocker` in `pkg/controller/core/workload_controller.go`)."""
+        cluster_queue = self.local_queues.get((workload.namespace, workload.queue))
+        if cluster_queue is None:
+            return f"LocalQueue {workload.queue} doesn't exist"
+        if cluster_queue not in self.cluster_queues:
+            return f"ClusterQueue {cluster_queue} doesn't exist"
+        return None
+
     async def _admit(self) -> None:
+        for workload in list(self.workloads.values()):
+            blocker = None
+            if workload.posted and not workload.done and workload.admitted_to is None:
+                blocker = self._queue_blocker(workload)
+            if blocker is not None and blocker != workload.message:
+                # Without the UnadmittedWorkloadsObservability gate (off by default) the
+                # reason is Inadmissible; Kueue keeps the Workload and admits it once the
+                # queue exists.
+                workload.message = blocker
+                await self._status(
+                    workload, {}, _condition("QuotaReserved", False, "Inadmissible", blocker)
+                )
         for name, spec in list(self.cluster_queues.items()):
             strict = spec.get("queueingStrategy") == "StrictFIFO"
             for workload in self.pending(name):

@@ -7,6 +7,7 @@ import pytest
 
 from kinetic_prefect.backends.gke.kueue import (
     listing_positions,
+    missing_queue,
     queued_message,
     served_version,
     workload_of,
@@ -85,6 +86,45 @@ def test_the_message_names_queue_position_and_kueues_reason():
         "couldn't assign flavors to pod set main: insufficient unused quota for google.com/tpu "
         "in flavor tpu-v5e-4, 4 more needed"
     )
+
+
+def _reserved(status: str, reason: str, message: str) -> dict:
+    condition = {"type": "QuotaReserved", "status": status, "reason": reason, "message": message}
+    return {"status": {"conditions": [condition]}}
+
+
+@pytest.mark.parametrize(
+    ("workload", "says"),
+    [
+        # Kueue's messages (its workload controller's getQueueBlocker), either reason.
+        (
+            _reserved("False", "Inadmissible", "LocalQueue tpu doesn't exist"),
+            "LocalQueue tpu doesn't exist; set queue_name to a LocalQueue of namespace ml "
+            "(kubectl get localqueues -n ml)",
+        ),
+        (
+            _reserved("False", "Misconfigured", "LocalQueue tpu is terminating or missing"),
+            "LocalQueue tpu is terminating or missing; set queue_name",
+        ),
+        (
+            _reserved("False", "Inadmissible", "ClusterQueue cluster-tpu doesn't exist"),
+            "ClusterQueue cluster-tpu doesn't exist; create ClusterQueue cluster-tpu",
+        ),
+        # Waits that end by themselves are not failures.
+        (_reserved("False", "Inadmissible", "LocalQueue tpu is inactive"), None),
+        (_reserved("False", "Pending", "couldn't assign flavors to pod set main"), None),
+        (_reserved("True", "QuotaReserved", "Quota reserved in ClusterQueue tpu"), None),
+        ({"status": {}}, None),
+        (None, None),
+    ],
+)
+def test_a_workload_whose_queue_does_not_exist_fails_naming_the_fix(workload, says):
+    found = missing_queue(workload, "ml")
+
+    if says is None:
+        assert found is None
+    else:
+        assert found is not None and says in found and found.endswith("The Job was deleted")
 
 
 def test_without_the_visibility_api_positions_follow_creation_among_pending_workloads():

@@ -131,6 +131,7 @@ class KubernetesBackend(JobEnding):
             self._jobs,
             lambda: self._access.client,
             self._report_pending,
+            self._start_failing,
             intervals.queue_poll_seconds,
         )
         self._outcomes = OutcomeTracker(

@@ -16,6 +16,8 @@ namespace's Workloads and one visibility request per LocalQueue every
 `poll_seconds`; nothing when no Job is queued. Without the visibility API (not
 installed, or not granted) the position is the Job's place among the LocalQueue's
 pending Workloads of the listing, in Kueue's order (priority, then creation).
+A Job whose LocalQueue (or that queue's ClusterQueue) does not exist is not left to wait
+for a queue nobody may create: the reader fails it, naming the queue and the fix.
 
 Which version of Kueue's APIs to speak is read from the API server's discovery
 (`GET /apis/kueue.x-k8s.io`, and the same for the visibility API), once per reader:
@@ -28,6 +30,7 @@ same in both.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -100,6 +103,42 @@ def listing_positions(workloads: list[dict[str, Any]]) -> dict[str, int]:
     return positions
 
 
+# Kueue's word for a Workload whose LocalQueue, or that queue's ClusterQueue, is not there
+# (its workload controller's `getQueueBlocker`, under reason `Inadmissible`, or
+# `Misconfigured` with the UnadmittedWorkloadsObservability gate): it keeps the Workload
+# and admits it only if that queue is created, which a typo never is.
+_MISSING_QUEUE = re.compile(
+    r"^(LocalQueue|ClusterQueue) (\S+) (doesn't exist|is terminating or missing)$"
+)
+
+
+def missing_queue(workload: Mapping[str, Any] | None, namespace: str) -> str | None:
+    """Why the Workload cannot be admitted when its queue does not exist, else None."""
+    condition = next(
+        (
+            c
+            for c in (((workload or {}).get("status") or {}).get("conditions") or [])
+            if c.get("type") == "QuotaReserved" and c.get("status") == "False"
+        ),
+        None,
+    )
+    found = _MISSING_QUEUE.match(str((condition or {}).get("message") or ""))
+    if found is None:
+        return None
+    kind, name = found.group(1), found.group(2)
+    if kind == "LocalQueue":
+        fix = (
+            f"set queue_name to a LocalQueue of namespace {namespace} "
+            f"(kubectl get localqueues -n {namespace}), or create {name} there (docs/kueue.md)"
+        )
+    else:
+        fix = (
+            f"create ClusterQueue {name}, or point the LocalQueue at one that exists "
+            "(docs/kueue.md)"
+        )
+    return f"Kueue cannot admit the Job: {found.group(0)}; {fix}. The Job was deleted"
+
+
 def queued_message(
     queue: str,
     workload: Mapping[str, Any] | None,
@@ -135,8 +174,9 @@ def queued_message(
 class QueueReader:
     """Reports where each queued Job stands while any is queued (see the module docstring).
 
-    `report(job, reason)` is the backend's pending report; `api_client` is called for
-    the Kubernetes API client when reading.
+    `report(job, reason)` is the backend's pending report; `fail(job, reason)` gives up on
+    a Job whose queue does not exist (`missing_queue`); `api_client` is called for the
+    Kubernetes API client when reading.
     """
 
     def __init__(
@@ -144,11 +184,13 @@ class QueueReader:
         jobs: Mapping[str, TrackedJob],
         api_client: Callable[[], Any],
         report: Callable[[TrackedJob, str], None],
+        fail: Callable[[TrackedJob, str], None],
         poll_seconds: float = Intervals.queue_poll_seconds,
     ) -> None:
         self._jobs = jobs
         self._api_client = api_client
         self._report = report
+        self._fail = fail
         self.poll_seconds = poll_seconds
         self._wake = asyncio.Event()
         # (namespace, LocalQueue) whose visibility API did not answer: read the listing only.
@@ -164,7 +206,11 @@ class QueueReader:
         return [
             job
             for job in self._jobs.values()
-            if job.created and not job.done and not job.cancelled and job.admitted_at is None
+            if job.created
+            and not job.done
+            and not job.cancelled
+            and not job.failing_to_start
+            and job.admitted_at is None
         ]
 
     async def run(self) -> None:
@@ -230,10 +276,14 @@ class QueueReader:
         for queue in sorted({queue_name_of(job.manifest) or "" for job in jobs} - {""}):
             positions.update(await self._positions(api, namespace, queue))
         for job in jobs:
-            if job.done or job.admitted_at is not None:
+            if job.done or job.failing_to_start or job.admitted_at is not None:
                 continue
             uid = str(((job.job or {}).get("metadata") or {}).get("uid") or "")
             workload = workload_of(workloads, uid) if uid else None
+            missing = missing_queue(workload, namespace)
+            if missing is not None:
+                self._fail(job, missing)
+                continue
             name = str(((workload or {}).get("metadata") or {}).get("name") or "")
             position = positions.get(name)
             if position is None and name in fallback:
