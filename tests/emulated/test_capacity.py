@@ -18,6 +18,7 @@ from kinetic_prefect import resources
 from tests.runner.test_task_runner import wait_for_gate
 from tests.support.kube_objects import gke_nodes
 from tests.support.waiting import (
+    recorded_history,
     recorded_task_run,
     wait_for_task_run_state,
     wait_past_jobs,
@@ -244,3 +245,34 @@ def test_a_pod_waits_past_the_pending_timeout_while_the_autoscaler_adds_a_node(g
         "gke-l4-autoscaled-1",
     ]
     assert _pod_event_reads(cluster) == 2  # one read each, once pending a probe interval
+
+
+def test_a_pods_deadline_counts_the_time_it_waits_for_a_busy_node(gke, cluster, workdir):
+    """Kubernetes counts activeDeadlineSeconds from the Job's start, as the README's
+    `timeout_seconds` row says: a pod that waits for a node past it never runs."""
+    cluster.kubelet.nodes.extend(gke_nodes("l4-pool", "l4", 1))
+    gate = workdir / "gate"
+    # Past pytest-timeout's backstop: no failure here can come from the pending timeout.
+    runner = _runner(gke, accelerator="l4", pending_timeout_seconds=3600)
+
+    @flow(task_runner=runner)
+    def two() -> tuple[str, str, bool, object]:
+        holder = wait_for_gate.submit(str(gate))
+        wait_for_task_run_state(holder.task_run_id, "RUNNING", 120)
+        with resources(timeout_seconds=3):
+            late = echo.submit(1)
+        late.wait()
+        # The node was still taken when the late run ended: its pod waited the whole time.
+        node_held = not holder.state.is_final()
+        gate.touch()
+        holder.wait()
+        return late.state.type.value, late.state.message or "", node_held, late.task_run_id
+
+    state, message, node_held, late_id = two()
+
+    assert (state, node_held) == ("CRASHED", True)
+    assert "DeadlineExceeded" in message
+    assert "counts it from the Job's start, time the pod waited for a node included" in message
+    # It never ran: its history shows it waiting for the node, and no Running state.
+    history = [s.type.value for s in recorded_history(late_id)]
+    assert "RUNNING" not in history and history[-1] == "CRASHED"

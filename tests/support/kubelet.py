@@ -6,7 +6,9 @@ volumes, hostname and /etc/hosts a kubelet gives a container) and writes pod and
 Job status back over HTTP, as another client of the API. A pod is Running once its
 container has started (after its init containers); a Job's pods all end when one
 fails, as the Job controller deletes the rest of a failed Job's pods; a Job past its
-`activeDeadlineSeconds` fails with DeadlineExceeded and its pods are deleted. It can instead
+`activeDeadlineSeconds`, counted from the Job's start (its pods' creation, or its
+resumption from suspension) so that pending time counts, fails with DeadlineExceeded and
+its pods are deleted, running or not. It can instead
 leave the pod pending (image pull error, unschedulable) or end it as
 Kubernetes would (OOMKilled, evicted, preempted, deadline). As Kubernetes'
 TTL-after-finished controller does, it deletes a finished Job (and so its pods)
@@ -121,6 +123,8 @@ class _Pod:
     boxes: list[Sandbox] = field(default_factory=list)
     # Past its Job's activeDeadlineSeconds: the Job fails with DeadlineExceeded.
     deadline_exceeded: bool = False
+    # Its Job's activeDeadlineSeconds, counted from the Job's start (or its resumption).
+    deadline_timer: asyncio.TimerHandle | None = None
 
 
 class Kubelet:
@@ -303,6 +307,14 @@ class Kubelet:
             pod = _Pod(job=job, name=names[0], namespace=job["metadata"]["namespace"], names=names)
             self._pods[name] = pod
             self._spawn(self._start(pod))
+            deadline = job["spec"].get("activeDeadlineSeconds")
+            if deadline is not None:
+                # Counted from the Job's startTime: set as the Job controller first syncs
+                # it, and set again when a suspended Job resumes; time its pods spend
+                # pending counts.
+                pod.deadline_timer = asyncio.get_running_loop().call_later(
+                    float(deadline), lambda: self._spawn(self._past_deadline(pod))
+                )
 
     async def _expire(self, job: dict[str, Any]) -> None:
         """TTL-after-finished: delete the Job (and with it its pods) once its TTL is up."""
@@ -342,7 +354,7 @@ class Kubelet:
         delay = self.create_backoff_seconds
         while True:
             async with pod.lock:
-                if pod.terminating:
+                if pod.terminating or pod.deadline_exceeded:
                     return
                 refusal = await self._create_pods(pod)
                 if refusal is None:
@@ -490,23 +502,15 @@ class Kubelet:
             )
         )
         failed_init = next((code for code in init_codes if code), 0)
-        if not failed_init and not pod.terminating:
+        if not failed_init and not pod.terminating and not pod.deadline_exceeded:
             for box, home in zip(pod.boxes, homes, strict=True):
                 await self.runtime.start(box, values, home)
-            deadline = pod.job["spec"].get("activeDeadlineSeconds")
-            if deadline is not None:
-                timer = asyncio.get_running_loop().call_later(
-                    float(deadline), lambda: self._spawn(self._past_deadline(pod))
-                )
             async with pod.lock:
-                if pod.terminating:
+                if pod.terminating or pod.deadline_exceeded:
                     self._stop_containers(pod)
                 else:
                     await self._pod_status(pod, running_status(image))
-            codes = await self._wait_for_hosts(pod)
-            if deadline is not None:
-                timer.cancel()
-            return codes
+            return await self._wait_for_hosts(pod)
         return [failed_init or 137] * len(pod.boxes)
 
     async def _wait_for_hosts(self, pod: _Pod) -> list[int]:
@@ -528,13 +532,21 @@ class Kubelet:
             self.runtime.stop(box, float(grace))
 
     async def _past_deadline(self, pod: _Pod) -> None:
-        """The Job controller's activeDeadlineSeconds: the Job is failing, its pods are stopped."""
+        """The Job controller's activeDeadlineSeconds: the Job is failing, its pods are stopped,
+        or deleted if they never ran (pending for a node, an image, a volume)."""
         async with pod.lock:
-            if pod.terminating or not pod.running:
+            meta = pod.job["metadata"]
+            job = self.emulator.find(JOBS, meta["namespace"], meta["name"])
+            if pod.terminating or pod.deadline_exceeded or job is None or _finished(job):
                 return
             pod.deadline_exceeded = True
             await self._job_status(pod, {"conditions": [_deadline_condition("FailureTarget")]})
-            self._stop_containers(pod)
+            if pod.running:
+                self._stop_containers(pod)  # `_container_ended` fails the Job
+                return
+            if pod in self._waiting:
+                self._waiting.remove(pod)
+            await self._fail_past_deadline(pod)
 
     async def _mount_failed(self, pod: _Pod, image: str, message: str) -> None:
         """A volume could not be mounted: the pod stays ContainerCreating, with an event."""
@@ -591,7 +603,7 @@ class Kubelet:
 
     async def _start_bound(self, pod: _Pod) -> None:
         async with pod.lock:
-            if pod.terminating:
+            if pod.terminating or pod.deadline_exceeded:
                 return
             assert isinstance(pod.placement, list)
             for name, node in zip(pod.names, pod.placement, strict=True):
@@ -659,6 +671,8 @@ class Kubelet:
 
     async def _container_ended(self, pod: _Pod, codes: list[int]) -> None:
         async with pod.lock:
+            if pod.deadline_timer is not None:
+                pod.deadline_timer.cancel()
             pod.running = False
             self.emulator.finished_logs.update((pod.namespace, n) for n in pod.names)
             if pod.terminating:

@@ -280,6 +280,11 @@ NODE_UNREACHABLE = _pod(
 # terminated (https://kubernetes.io/docs/concepts/workloads/controllers/job/#job-termination-and-cleanup);
 # the pod may be gone before its last status is seen, or end killed by SIGTERM.
 DEADLINE = ("DeadlineExceeded", "Job was active longer than specified deadline")
+PAST_DEADLINE_REASON = (
+    "DeadlineExceeded: Job was active longer than specified deadline (activeDeadlineSeconds="
+    "3600, from timeout_seconds; Kubernetes counts it from the Job's start, time the pod "
+    "waited for a node included)"
+)
 PAST_DEADLINE = _job(("FailureTarget", *DEADLINE), ("Failed", *DEADLINE))
 KILLED_AT_DEADLINE = _pod(
     {
@@ -384,13 +389,13 @@ PREEMPTED_ON_SHUTDOWN = (
         pytest.param(
             None,
             PAST_DEADLINE,
-            (None, None, "DeadlineExceeded: Job was active longer than specified deadline"),
+            (None, None, PAST_DEADLINE_REASON),
             id="past activeDeadlineSeconds, the pod gone",
         ),
         pytest.param(
             KILLED_AT_DEADLINE,
             PAST_DEADLINE,
-            (143, None, "DeadlineExceeded: Job was active longer than specified deadline"),
+            (143, None, PAST_DEADLINE_REASON),
             id="past activeDeadlineSeconds, the pod killed",
         ),
         pytest.param(

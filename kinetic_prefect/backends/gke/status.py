@@ -108,11 +108,22 @@ def pod_started(pod: Mapping[str, Any] | None) -> bool:
 
 
 def job_failure(job: Mapping[str, Any] | None) -> str:
-    """The Job controller's reason for failing a Job, when it says more than the pod does."""
+    """The Job controller's reason for failing a Job, when it says more than the pod does.
+
+    Past `activeDeadlineSeconds` it names the deadline and how Kubernetes counts it: from
+    the Job's start, so time its pod waited for a node counts too.
+    """
     condition = true_condition(job, "FailureTarget") or true_condition(job, "Failed")
     if condition is None or condition.get("reason") in {None, "", "BackoffLimitExceeded"}:
         return ""
-    return f"{condition.get('reason')}: {condition.get('message') or ''}".strip().rstrip(":")
+    text = f"{condition.get('reason')}: {condition.get('message') or ''}".strip().rstrip(":")
+    deadline = ((job or {}).get("spec") or {}).get("activeDeadlineSeconds")
+    if condition.get("reason") == "DeadlineExceeded" and deadline is not None:
+        text += (
+            f" (activeDeadlineSeconds={deadline}, from timeout_seconds; Kubernetes counts it "
+            "from the Job's start, time the pod waited for a node included)"
+        )
+    return text
 
 
 def pod_outcome(
