@@ -43,6 +43,7 @@ os.environ["KINETIC_INTERVALS"] = json.dumps(
         "events_probe_seconds": 3,
         "events_probe_interval_seconds": 5,
         "queue_poll_seconds": 2,
+        "missing_queue_grace_seconds": 4,
         "flow_run_look_seconds": 3,
         "watchdog_look_seconds": 3,
     }

@@ -50,6 +50,9 @@ class Intervals:
     events_probe_interval_seconds: float = 15.0
     # How often the Workloads of Jobs waiting in a Kueue LocalQueue are read.
     queue_poll_seconds: float = 10.0
+    # A Job whose Kueue queue Kueue says does not exist fails once every read for this long
+    # has said so (Kueue can say it for a moment after it restarts, or a queue is created).
+    missing_queue_grace_seconds: float = 60.0
     # The API server ends a watch after at most this long; the watcher then resumes.
     watch_timeout_seconds: float = 300.0
     # exec / gcp-auth tokens (gke-gcloud-auth-plugin) last an hour; refreshed this often.

@@ -23,7 +23,7 @@ from tests.emulated.test_kubernetes_backend import _runner
 from tests.runner.test_multihost import CPU_JAX, gather_host_indices_and_pids
 from tests.support.kube import NAMESPACE, KubeCluster
 from tests.support.kube_objects import gke_nodes
-from tests.support.waiting import recorded_task_run, wait_until
+from tests.support.waiting import recorded_history, recorded_task_run, wait_until
 
 pytestmark = pytest.mark.usefixtures("prefect_api", "workdir")
 
@@ -39,14 +39,17 @@ NO_QUOTA = (
 )
 
 
-def _documented_queues(cluster: KubeCluster, version: str | None = None) -> None:
+def _documented_queues(
+    cluster: KubeCluster, version: str | None = None, kinds: tuple[str, ...] = ()
+) -> None:
     """Apply the ResourceFlavors, ClusterQueue and LocalQueue of docs/kueue.md (at
-    `version` of Kueue's API: their fields are the same in v1beta1 and v1beta2)."""
+    `version` of Kueue's API: their fields are the same in v1beta1 and v1beta2); only
+    those of `kinds`, if given."""
     from tests.support.standins import apply, manifests
 
     section = DOCS.read_text().split("## A queue for a TPU node pool", 1)[1]
     text = section.split("```yaml\n", 1)[1].split("```", 1)[0]
-    docs = manifests(text)
+    docs = [doc for doc in manifests(text) if not kinds or doc["kind"] in kinds]
     for doc in docs if version else []:
         doc["apiVersion"] = f"kueue.x-k8s.io/{version}"
     apply(cluster.admin, NAMESPACE, docs)
@@ -437,7 +440,8 @@ def test_a_job_kueue_evicts_while_its_pod_runs_runs_again_once_never_beside_itse
     assert _suspended(cluster) == 0
     assert job_name not in {j["metadata"]["name"] for j in cluster.jobs()}
     # On the preemption budget: the task has no retries of its own.
-    assert any(m.startswith("Preempted: ") and "Kueue evicted" in m for m in _messages(task_run))
+    messages = [s.message or "" for s in recorded_history(task_run)]
+    assert any(m.startswith("Preempted: ") and "Kueue evicted" in m for m in messages)
 
 
 def test_with_kueue_serving_only_v1beta2_a_queued_task_run_still_shows_its_position(
@@ -490,3 +494,33 @@ def test_a_queue_name_kueue_has_no_local_queue_for_fails_the_task_naming_it(gke,
         "the Job and its Workload to be deleted",
         left=lambda: [_summary(o) for o in cluster.jobs() + cluster.workloads()],
     )
+
+
+def test_a_local_queue_created_while_kueue_says_it_is_missing_still_runs_the_task(
+    gke, cluster, workdir
+):
+    cluster.kubelet.nodes = gke_nodes("tpu-v5e-4", "tpu-v5e-4", 4)
+    _documented_queues(cluster, kinds=("ResourceFlavor", "ClusterQueue"))
+    runner = _runner(
+        gke,
+        accelerator="tpu-v5e-4",
+        queue_name=QUEUE,
+        intervals={"missing_queue_grace_seconds": 600},
+    )
+
+    def said_missing() -> bool:
+        return any(
+            c.get("message") == f"LocalQueue {QUEUE} doesn't exist"
+            for w in cluster.workloads()
+            for c in (w.get("status") or {}).get("conditions") or []
+        )
+
+    @flow(task_runner=runner)
+    def one() -> int:
+        return hold.submit(5, gate="").result()
+
+    running = _in_background(one)
+    wait_until(said_missing, 90, "Kueue to say the LocalQueue does not exist")
+    _documented_queues(cluster, kinds=("LocalQueue",))
+
+    assert running.result(timeout=120) == 5

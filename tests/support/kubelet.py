@@ -493,7 +493,7 @@ class Kubelet:
         self, pod: _Pod, values: dict[str, dict[str, str]], homes: list[Path], image: str
     ) -> list[int]:
         """Run the hosts' init containers, then their containers; each host's exit code."""
-        if pod.terminating:
+        if pod.terminating or pod.deadline_exceeded:
             return [137] * len(pod.boxes)
         init_codes = await asyncio.gather(
             *(
@@ -556,6 +556,9 @@ class Kubelet:
                 self.runtime.forget(box)
             if pod.terminating:
                 await self._remove(pod)
+                return
+            if pod.deadline_exceeded:  # past it while mounting: no container runs
+                await self._fail_past_deadline(pod)
                 return
             await self._pod_status(pod, waiting_status(image, "ContainerCreating", ""))
             found = self.emulator.find("pods", pod.namespace, pod.name)

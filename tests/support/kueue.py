@@ -313,9 +313,10 @@ class Kueue:
             if workload.posted and not workload.done and workload.admitted_to is None:
                 blocker = self._queue_blocker(workload)
             if blocker is not None and blocker != workload.message:
-                # Without the UnadmittedWorkloadsObservability gate (off by default) the
-                # reason is Inadmissible; Kueue keeps the Workload and admits it once the
-                # queue exists.
+                # Without the UnadmittedWorkloadsObservability gate (off by default up to
+                # v0.19, on by default after it: then the reason is Misconfigured, the
+                # message the same) the reason is Inadmissible; Kueue keeps the Workload
+                # and admits it once the queue exists.
                 workload.message = blocker
                 await self._status(
                     workload, {}, _condition("QuotaReserved", False, "Inadmissible", blocker)

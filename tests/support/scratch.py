@@ -46,13 +46,12 @@ def tmpfs_root(mounts: str, mount_point: str, free_bytes: int) -> bool:
     return False
 
 
-def scratch_dir(
-    rootdir: Path, interpreter: str = sys.prefix, pid: int | None = None
-) -> Path | None:
+def scratch_dir(rootdir: Path, interpreter: str = sys.prefix) -> Path | None:
     """This run's scratch directory in RAM, or None where there is no room for it.
 
     Named after the checkout, the interpreter's environment and the run's process (the
-    xdist controller, whose workers are told its `--basetemp`): no two runs share it.
+    xdist controller, whose workers are told its `--basetemp`), by its pid and start time:
+    no two runs share it.
     """
     try:
         mounts = Path("/proc/mounts").read_text()
@@ -62,28 +61,31 @@ def scratch_dir(
     if not tmpfs_root(mounts, SHM, stats.f_bavail * stats.f_frsize):
         return None
     digest = hashlib.sha256(f"{rootdir.resolve()}\0{interpreter}".encode()).hexdigest()[:12]
-    return Path(SHM) / f"kinetic-prefect-tests-{os.getuid()}-{digest}-{pid or os.getpid()}"
+    pid = os.getpid()
+    return Path(SHM) / f"kinetic-prefect-tests-{os.getuid()}-{digest}-{pid}-{_started(pid)}"
 
 
 def ended_runs_scratch(root: Path) -> list[Path]:
-    """The scratch directories of earlier runs like this one's whose process has ended."""
-    prefix = root.name.rsplit("-", 1)[0]
-    ended = []
-    for path in root.parent.glob(f"{prefix}-*"):
-        pid = path.name.rsplit("-", 1)[1]
-        if path != root and pid.isdigit() and not _alive(int(pid)):
+    """The scratch directories of earlier runs like this one's whose process has ended (its
+    pid gone, or taken by a process started at another time), and one named as before runs
+    had their own."""
+    prefix = root.name.rsplit("-", 2)[0]
+    ended = [root.parent / prefix] if (root.parent / prefix).is_dir() else []
+    for path in root.parent.glob(f"{prefix}-*-*"):
+        pid, started = path.name.rsplit("-", 2)[1:]
+        if path != root and pid.isdigit() and _started(int(pid)) != started:
             ended.append(path)
     return ended
 
 
-def _alive(pid: int) -> bool:
+def _started(pid: int) -> str:
+    """When process `pid` started, in clock ticks since boot ("" if there is none)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process of that number
-        return True
-    return True
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    # Field 22; the command name (field 2) may hold spaces, so count after its ")".
+    return stat.rsplit(")", 1)[1].split()[19]
 
 
 def use_scratch(config: pytest.Config) -> None:
@@ -123,4 +125,7 @@ def end_scratch(config: pytest.Config, exitstatus: int) -> None:
         return
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
-        reporter.write_line(f"The run's scratch is kept in RAM at {root}: remove it when done.")
+        reporter.write_line(
+            f"The run's scratch is kept in RAM at {root}: remove it when done (the next run "
+            "of this checkout removes it too)."
+        )

@@ -84,37 +84,75 @@ def task_run_state(task_run_id: object) -> object:
             return None
 
 
-def recorded_task_run(task_run_id: object, timeout: float = 30.0) -> Any:
-    """The task run as the API has it once it shows a final state.
+# How long a task run's record must stay unchanged, once it shows a final state, before a
+# test reads it as the run's last word. Prefect 3.9.1's server applies events as they
+# arrive, two at a time and one per write, from every process that sends them (the flow
+# process, each pod), and puts a failed write back at the end of its queue: a state sent
+# before the final one can still land after it.
+RECORDER_SETTLE_SECONDS = 1.0
+
+
+def _settled(read: Callable[[], tuple[T, object] | None], timeout: float, what: str) -> T:
+    """`read()` gives (value, fingerprint) once the run shows a final state, else None; the
+    value once its fingerprint stayed the same for `RECORDER_SETTLE_SECONDS`."""
+    seen: dict[str, Any] = {}
+
+    def probe() -> tuple[T] | None:
+        found = read()
+        now = time.monotonic()
+        if found is None:
+            seen.clear()
+            return None
+        value, fingerprint = found
+        if seen.get("fingerprint") != fingerprint:
+            seen.update(fingerprint=fingerprint, since=now)
+            return None
+        return (value,) if now - seen["since"] >= RECORDER_SETTLE_SECONDS else None
+
+    return wait_until(probe, timeout, what)[0]
+
+
+def recorded_task_run(task_run_id: object, timeout: float = 30.0, client: Any = None) -> Any:
+    """The task run as the API has it once it shows a final state, and keeps it.
 
     Task-run states reach the API as events, recorded by the server after the flow that
     caused them may have returned: a read straight after a flow can see an older state, or
-    none. The recorder keeps the newest state on the run's row, so once a final one shows,
-    the row (its run count too) is the run's last word; the states before it were sent
-    before it.
+    none, and a late event can still change it (`RECORDER_SETTLE_SECONDS`). `client`: a
+    sync Prefect client of another API than this process's.
     """
     from prefect import get_client
     from prefect.exceptions import ObjectNotFound
 
-    def probe() -> Any:
-        with get_client(sync_client=True) as client:
-            try:
-                task_run = client.read_task_run(task_run_id)  # type: ignore[arg-type]
-            except ObjectNotFound:
-                return None
-        return task_run if task_run.state is not None and task_run.state.is_final() else None
+    def read() -> tuple[Any, object] | None:
+        try:
+            if client is not None:
+                task_run = client.read_task_run(task_run_id)
+            else:
+                with get_client(sync_client=True) as own:
+                    task_run = own.read_task_run(task_run_id)  # type: ignore[arg-type]
+        except ObjectNotFound:
+            return None
+        if task_run.state is None or not task_run.state.is_final():
+            return None
+        return task_run, (task_run.state.id, task_run.run_count)
 
-    return wait_until(probe, timeout, f"the API to record a final state of task run {task_run_id}")
+    return _settled(read, timeout, f"the API to record a final state of task run {task_run_id}")
 
 
 def recorded_history(task_run_id: object, timeout: float = 30.0) -> list[Any]:
-    """Every state the API recorded for the task run, oldest first, once it shows a final one."""
+    """Every state the API recorded for the task run, oldest first, once it shows a final
+    one and its history stopped changing (`RECORDER_SETTLE_SECONDS`)."""
     from prefect import get_client
 
-    recorded_task_run(task_run_id, timeout)
-    with get_client(sync_client=True) as client:
-        states = client.read_task_run_states(task_run_id)  # type: ignore[arg-type]
-    return sorted(states, key=lambda s: s.timestamp)
+    def read() -> tuple[list[Any], object] | None:
+        with get_client(sync_client=True) as client:
+            states = client.read_task_run_states(task_run_id)  # type: ignore[arg-type]
+        ordered = sorted(states, key=lambda s: s.timestamp)
+        if not ordered or not ordered[-1].is_final():
+            return None
+        return ordered, tuple(s.id for s in ordered)
+
+    return _settled(read, timeout, f"the API to record the history of task run {task_run_id}")
 
 
 def wait_for_task_run_state(task_run_id: object, state_type: str, timeout: float = 30.0) -> object:

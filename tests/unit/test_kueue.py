@@ -127,6 +127,29 @@ def test_a_workload_whose_queue_does_not_exist_fails_naming_the_fix(workload, sa
         assert found is not None and says in found and found.endswith("The Job was deleted")
 
 
+def test_a_missing_queue_fails_a_job_only_once_every_read_for_the_grace_said_so():
+    from kinetic_prefect.backends.gke.kueue import QueueReader
+
+    now = [0.0]
+    reader = QueueReader(
+        {},
+        lambda: None,
+        lambda job, reason: None,
+        lambda job, reason: None,
+        missing_queue_grace_seconds=60,
+        clock=lambda: now[0],
+    )
+    seen = []
+    for at in (0, 10, 59.9, 60, 61):
+        now[0] = at
+        seen.append(reader._missing_for_good("kp-a"))
+    now[0] = 70
+    late = reader._missing_for_good("kp-b")  # another Job: its own clock
+
+    assert seen == [False, False, False, True, True]
+    assert late is False
+
+
 def test_without_the_visibility_api_positions_follow_creation_among_pending_workloads():
     workloads = [
         _workload("job-c", "2026-01-01T00:00:03Z", "uid-c"),

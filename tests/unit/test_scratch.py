@@ -38,16 +38,23 @@ def test_a_run_removes_only_the_scratch_of_ended_runs_of_its_checkout(tmp_path) 
     import subprocess
     import sys
 
+    from tests.support.scratch import _started
+
     ended = subprocess.Popen([sys.executable, "-c", "pass"])
     ended.wait()
-    mine = tmp_path / f"kinetic-prefect-tests-0-abc-{os.getpid()}"
+    mine = tmp_path / f"kinetic-prefect-tests-0-abc-{os.getpid()}-{_started(os.getpid())}"
+    going = os.getppid()
     dirs = {
         "mine": mine,
-        "an ended run": tmp_path / f"kinetic-prefect-tests-0-abc-{ended.pid}",
-        "a run still going": tmp_path / f"kinetic-prefect-tests-0-abc-{os.getppid()}",
-        "another checkout": tmp_path / f"kinetic-prefect-tests-0-def-{ended.pid}",
+        "an ended run": tmp_path / f"kinetic-prefect-tests-0-abc-{ended.pid}-123",
+        "a run still going": tmp_path / f"kinetic-prefect-tests-0-abc-{going}-{_started(going)}",
+        "its pid now another process's": tmp_path / f"kinetic-prefect-tests-0-abc-{going}-1",
+        "named as before": tmp_path / "kinetic-prefect-tests-0-abc",
+        "another checkout": tmp_path / f"kinetic-prefect-tests-0-def-{ended.pid}-123",
     }
     for path in dirs.values():
         path.mkdir()
 
-    assert ended_runs_scratch(mine) == [dirs["an ended run"]]
+    assert sorted(ended_runs_scratch(mine)) == sorted(
+        dirs[k] for k in ("an ended run", "its pid now another process's", "named as before")
+    )

@@ -58,7 +58,7 @@ from kinetic_prefect.worker.flow_pod import record_key_secret
 from kinetic_prefect.worker.worker import KineticJobConfiguration, KineticWorker, plan_flow_pod
 from tests.support import deployed_flows
 from tests.support.prefect_server import PrefectServer, prefect_server, prefect_worker
-from tests.support.waiting import wait_until
+from tests.support.waiting import recorded_task_run, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 POOL = "kinetic"  # the pool deployments/prefect.yaml deploys to
@@ -216,17 +216,13 @@ def ended_task_runs_of(client: Any, flow_run_id: uuid.UUID, count: int) -> list[
     Their states reach the API as events, recorded after the flow run's own state.
     """
 
-    def ended() -> list[Any] | None:
-        runs = task_runs_of(client, flow_run_id)
-        final = len(runs) == count and all(r.state is not None and r.state.is_final() for r in runs)
-        return runs if final else None
-
-    return wait_until(
-        ended,
+    runs = wait_until(
+        lambda: (found := task_runs_of(client, flow_run_id)) and len(found) == count and found,
         30,
-        f"{count} task runs of flow run {flow_run_id} to show final states",
+        f"{count} task runs of flow run {flow_run_id} in the API",
         left=lambda: [(r.name, r.state_name) for r in task_runs_of(client, flow_run_id)],
     )
+    return [recorded_task_run(run.id, client=client) for run in runs]
 
 
 def pod_job_id(client: Any, task_run_id: uuid.UUID) -> str:

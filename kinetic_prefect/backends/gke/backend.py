@@ -133,6 +133,7 @@ class KubernetesBackend(JobEnding):
             self._report_pending,
             self._start_failing,
             intervals.queue_poll_seconds,
+            intervals.missing_queue_grace_seconds,
         )
         self._outcomes = OutcomeTracker(
             self._jobs,

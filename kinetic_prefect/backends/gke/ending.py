@@ -185,7 +185,10 @@ class JobEnding:
                 self._dispatch(job, job.on_pending, reason)
 
     def _start_failing(self, job: TrackedJob, reason: str | None = None) -> None:
-        """Give up on a job whose pod cannot start (or cannot be watched): delete its Job."""
+        """Give up on a job whose pod cannot start (or cannot be watched): delete its Job.
+        A job that ended or is being cancelled meanwhile is left to that."""
+        if job.done or job.cancelled:
+            return
         job.failing_to_start = True
         self._runtime.spawn(self._fail_to_start(job, reason))
 

@@ -17,7 +17,8 @@ namespace's Workloads and one visibility request per LocalQueue every
 installed, or not granted) the position is the Job's place among the LocalQueue's
 pending Workloads of the listing, in Kueue's order (priority, then creation).
 A Job whose LocalQueue (or that queue's ClusterQueue) does not exist is not left to wait
-for a queue nobody may create: the reader fails it, naming the queue and the fix.
+for a queue nobody may create: once every read for `missing_queue_grace_seconds` said so,
+the reader fails it, naming the queue and the fix.
 
 Which version of Kueue's APIs to speak is read from the API server's discovery
 (`GET /apis/kueue.x-k8s.io`, and the same for the visibility API), once per reader:
@@ -186,11 +187,17 @@ class QueueReader:
         report: Callable[[TrackedJob, str], None],
         fail: Callable[[TrackedJob, str], None],
         poll_seconds: float = Intervals.queue_poll_seconds,
+        missing_queue_grace_seconds: float = Intervals.missing_queue_grace_seconds,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._jobs = jobs
         self._api_client = api_client
         self._report = report
         self._fail = fail
+        self.missing_queue_grace_seconds = missing_queue_grace_seconds
+        self._clock = clock
+        # Job id -> when a read first said its queue does not exist (every read since has).
+        self._missing_since: dict[str, float] = {}
         self.poll_seconds = poll_seconds
         self._wake = asyncio.Event()
         # (namespace, LocalQueue) whose visibility API did not answer: read the listing only.
@@ -219,6 +226,8 @@ class QueueReader:
             self._wake.clear()
             started = time.monotonic()
             waiting = self._queued_jobs()
+            for gone in self._missing_since.keys() - {job.job_id for job in waiting}:
+                del self._missing_since[gone]
             if not waiting:
                 continue
             by_namespace: dict[str, list[TrackedJob]] = {}
@@ -276,12 +285,16 @@ class QueueReader:
         for queue in sorted({queue_name_of(job.manifest) or "" for job in jobs} - {""}):
             positions.update(await self._positions(api, namespace, queue))
         for job in jobs:
-            if job.done or job.failing_to_start or job.admitted_at is not None:
+            if job.done or job.cancelled or job.failing_to_start or job.admitted_at is not None:
+                self._missing_since.pop(job.job_id, None)
                 continue
             uid = str(((job.job or {}).get("metadata") or {}).get("uid") or "")
             workload = workload_of(workloads, uid) if uid else None
             missing = missing_queue(workload, namespace)
-            if missing is not None:
+            if missing is None:
+                self._missing_since.pop(job.job_id, None)
+            elif self._missing_for_good(job.job_id):
+                self._missing_since.pop(job.job_id, None)
                 self._fail(job, missing)
                 continue
             name = str(((workload or {}).get("metadata") or {}).get("name") or "")
@@ -290,6 +303,14 @@ class QueueReader:
                 position = {"positionInLocalQueue": fallback[name]}
             queue = queue_name_of(job.manifest) or queue_name_of(job.job) or "?"
             self._report(job, queued_message(queue, workload, position))
+
+    def _missing_for_good(self, job_id: str) -> bool:
+        """Whether every read for `missing_queue_grace_seconds` said the Job's queue is
+        missing: Kueue says so for a moment after it restarts (its queue manager fills as
+        it sees the queues) or before it has seen a queue just created."""
+        now = self._clock()
+        since = self._missing_since.setdefault(job_id, now)
+        return now - since >= self.missing_queue_grace_seconds
 
     async def _positions(self, api: Any, namespace: str, queue: str) -> dict[str, Any]:
         """Pending Workloads of a LocalQueue by name, from the visibility API ({} without it)."""
