@@ -376,3 +376,37 @@ def test_the_nodes_are_read_only_when_a_taint_or_cordon_turned_the_pod_away(mess
     assert reads_nodes(_unschedulable_pod(job, message), job) is reads
     # Any node is a cpu pod's kind: not worth listing them all.
     assert reads_nodes(_unschedulable_pod(cpu_job, message), cpu_job) is False
+
+
+def _no_victims(short: str) -> str:
+    """kube-scheduler's message (GKE 1.36 form) for two matching nodes short of `short`."""
+    return (
+        f"0/2 nodes are available: 2 Insufficient {short}. no new claims to deallocate, "
+        "preemption: 0/2 nodes are available: 2 No preemption victims found for incoming pod."
+    )
+
+
+@pytest.mark.parametrize(
+    ("accelerator", "short", "noted"),
+    [
+        # An accelerator pod whose nodes lack only cpu: its GPUs are free, so the request
+        # may not fit beside the nodes' system pods (kubernetes#131345 marks only requests
+        # over the allocatable as unresolvable).
+        ("l4", "cpu", True),
+        ("l4", "memory", True),
+        # The accelerator itself is taken: busy nodes.
+        ("l4", "nvidia.com/gpu", False),
+        # A cpu pod: no accelerator to tell the two apart by.
+        ("cpu", "cpu", False),
+    ],
+)
+def test_busy_nodes_short_of_cpu_alone_note_the_system_pods_for_an_accelerator_pod(
+    accelerator: str, short: str, noted: bool
+):
+    job = _job(accelerator)
+
+    waiting = pending(_unschedulable_pod(job, _no_victims(short)), job)
+
+    assert waiting is not None and waiting.waits_for_capacity
+    assert f"2/2 {accelerator} nodes busy (Insufficient {short})" in waiting.reason
+    assert ("beside its system pods" in waiting.reason) is noted, waiting.reason

@@ -411,7 +411,9 @@ def _unschedulable(
         parts = []
         if busy:
             what = f" ({', '.join(short)})" if short else ""
-            parts.append(f"{busy}/{matching} {kind}nodes busy{what}")
+            parts.append(
+                f"{busy}/{matching} {kind}nodes busy{what}{_beside_system_pods(short, manifest)}"
+            )
         if scaling_up:
             parts.append(f"the cluster autoscaler is adding a node ({said})")
         elif _MAX_SIZE in said:
@@ -450,6 +452,25 @@ def _unschedulable(
     if autoscaler is not None:
         text += f" (cluster autoscaler: {said})"
     return Pending(f"{text} — {hint}" if hint else text, unschedulable=True)
+
+
+def _beside_system_pods(short: list[str], manifest: Mapping[str, Any]) -> str:
+    """A note for an accelerator pod whose nodes are short of cpu or memory alone.
+
+    kube-scheduler says `No preemption victims found` both for nodes other pods hold and
+    for a request that fits a node's allocatable but not beside its system pods, which are
+    never preempted for it (kubernetes#131345 marks only requests over the allocatable as
+    unresolvable). With the accelerator itself free, the second is likely.
+    """
+    resources = container_of(manifest).get("resources") or {}
+    asked = {**(resources.get("limits") or {}), **(resources.get("requests") or {})}
+    if not short or any("/" in r for r in short) or not any("/" in r for r in asked):
+        return ""
+    return (
+        "; their accelerators are free: if nothing else runs there, the pod asks for more "
+        "than a node has beside its system pods (`kubectl describe node`, Allocated "
+        "resources), lower cpu/memory"
+    )
 
 
 def _latest_failed_create(events: list[dict[str, Any]]) -> str | None:
