@@ -8,6 +8,8 @@ What ran when comes from the cluster's own event history.
 from __future__ import annotations
 
 import concurrent.futures
+import json
+import os
 import re
 import threading
 import time
@@ -521,6 +523,15 @@ def test_a_local_queue_created_while_kueue_says_it_is_missing_still_runs_the_tas
 
     running = _in_background(one)
     wait_until(said_missing, 90, "Kueue to say the LocalQueue does not exist")
+    # Past the suite's grace, so the runner's own (600 s) is what keeps the Job.
+    suite_grace = json.loads(os.environ["KINETIC_INTERVALS"])["missing_queue_grace_seconds"]
+    said_at = time.monotonic()
+    wait_until(
+        lambda: time.monotonic() - said_at > 2 * suite_grace,
+        2 * suite_grace + 30,
+        "twice the suite's missing-queue grace",
+    )
+    assert cluster.jobs(), "the Job was deleted within the runner's grace"
     _documented_queues(cluster, kinds=("LocalQueue",))
 
     assert running.result(timeout=120) == 5
