@@ -223,7 +223,12 @@ class Launcher:
     # -- one attempt ------------------------------------------------------------
 
     def launch_attempt(self, launch: TaskLaunch) -> None:
-        """Package, upload and launch one pod for the task run."""
+        """Package, upload and launch one pod for the task run; none once its flow run was
+        found over (its lease marked): the run takes that in instead (`FlowRunOver`), as the
+        runs that were unfinished when the lease was marked did."""
+        if self.resources.flow_run_ending(launch) is not None:
+            self.loop.post(launch, FlowRunOver(CANCELLED_ON_EXIT))
+            return
         settings = launch.settings
         jobs_root = settings.resolved_jobs_root()
         inputs = launch.inputs

@@ -239,6 +239,36 @@ def test_a_task_run_waiting_out_its_retry_delay_ends_cancelled_when_its_flow_run
     assert seen == ["CANCELLED", 1]  # one run: its crashed pod's
 
 
+def test_a_task_submitted_after_its_flow_run_was_found_cancelled_launches_no_pod(
+    workdir: Path,
+):
+    # The flow goes on after its flow run was set Cancelling (nothing stops a local flow
+    # run's process): a task submitted once the runner found the flow run over ends
+    # Cancelled at once, as the earlier ones did, and no pod is started for it.
+    seen: list[object] = []
+
+    @flow(task_runner=KineticTaskRunner(cancel_grace_seconds=CANCEL_GRACE))
+    def run() -> None:
+        first = wait_for_file.submit(str(workdir / "never"))
+        wait_until(
+            lambda: _task_run_state(first.task_run_id)[0] == "Running", 120, "the first to run"
+        )
+        with get_client(sync_client=True) as client:
+            flow_run_id = FlowRunContext.get().flow_run.id  # type: ignore[union-attr]
+            client.set_flow_run_state(flow_run_id, Cancelling(), force=True)
+        first.wait(timeout=120)  # its pod ended itself once the lease was marked
+        late = plus_one.submit(1)
+        late.wait(timeout=60)
+        seen.extend([first.state.type.value, late.state.type.value, late.job_id])
+
+    run(return_state=True)
+
+    first_state, late_state, late_job = seen
+    assert (first_state, late_state) == ("CANCELLED", "CANCELLED")
+    pods = workdir / ".kinetic" / "pods"
+    assert not list(pods.glob(f"{late_job}*")), "a pod was started for the late task"
+
+
 def test_cancel_all_stops_running_and_waiting_task_runs_and_then_refuses_new_work(
     workdir: Path,
 ):
