@@ -29,6 +29,8 @@ OUTPUTS_PREFIX = "outputs"
 
 PAYLOAD_FILE = "payload.pkl"
 FINAL_STATE_JSON = "final-state.json"
+# A pickled final state too large to travel inside `final-state.json` (records.py).
+FINAL_STATE_PICKLE = "final-state.pkl"
 WARM_POD_JSON = "warm-pod.json"
 
 

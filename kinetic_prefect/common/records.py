@@ -3,12 +3,16 @@
 `final-state.json` is written last and is the pod's word on how it ended; when
 the task ran, it carries the pickled Prefect state too (and so the result's
 reference or the exception), under the same signature: one object to write and
-to read per attempt.
+to read per attempt. A state over `INLINE_STATE_BYTES` (an unsaved result of a few MB
+and up) is written beside it as `final-state.pkl` instead, and the record carries its
+sha256 under the signature: inside the JSON, base64 would hold several copies of it in
+memory at once.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 from typing import Literal
 
 from pydantic import Field
@@ -22,6 +26,8 @@ PHASES = ("download", "verify", "extract", "unpickle", "data", "environment", "r
 # A result record up to this size travels in the final-state record too, so the
 # orchestrator need not read it back from result storage.
 INLINE_RESULT_BYTES = 64 * 1024
+# A pickled state up to this size travels in the final-state record itself.
+INLINE_STATE_BYTES = 1024 * 1024
 
 STATUS_FINISHED = "finished"
 STATUS_PHASE_FAILED = "phase-failed"
@@ -50,6 +56,8 @@ class FinalRecord(SignedRecord):
     timings: dict[str, float] = Field(default_factory=dict)
     # The cloudpickled Prefect state (base64), when the task ran: never unpickled unsigned.
     state_pickle: str | None = None
+    # Or, for a larger one, the sha256 of `layout.FINAL_STATE_PICKLE` beside the record.
+    state_sha256: str | None = None
     # The Prefect result record the pod's engine persisted to result storage (its storage
     # key and the sha256 of its bytes there), so the signature covers the result too.
     result_storage_key: str | None = None
@@ -60,8 +68,14 @@ class FinalRecord(SignedRecord):
     # (its acceptance of that task; see common.handover).
     next_job: str | None = None
 
-    def carry_state(self, pickled: bytes) -> None:
-        self.state_pickle = base64.b64encode(pickled).decode()
+    def carry_state(self, pickled: bytes) -> bool:
+        """Carry the pickled state when small; else sign its digest. False: the caller
+        writes it as `layout.FINAL_STATE_PICKLE` beside the record."""
+        if len(pickled) <= INLINE_STATE_BYTES:
+            self.state_pickle = base64.b64encode(pickled).decode()
+            return True
+        self.state_sha256 = hashlib.sha256(pickled).hexdigest()
+        return False
 
     def carried_state(self) -> bytes | None:
         """The pickled state's bytes (check the signature before unpickling them)."""

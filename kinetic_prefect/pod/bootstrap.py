@@ -84,8 +84,8 @@ FINAL_STATE_KIND = "final-state"
 FINAL_STATE_VERSION = 1
 FINAL_STATE_FIELDS = (
     "status", "phase", "error_type", "message", "traceback", "state_type", "state_name",
-    "versions", "timings", "state_pickle", "result_storage_key", "result_sha256",
-    "result_record", "next_job", "signature",
+    "versions", "timings", "state_pickle", "state_sha256", "result_storage_key",
+    "result_sha256", "result_record", "next_job", "signature",
 )  # fmt: skip
 SPEC_KIND = "environment-spec"
 SPEC_VERSION = 3
@@ -740,6 +740,7 @@ def record_failure(job_dir: str, message: str, error: BaseException) -> None:
         "versions": {},
         "timings": {},
         "state_pickle": None,
+        "state_sha256": None,
         "result_storage_key": None,
         "result_sha256": None,
         "result_record": None,

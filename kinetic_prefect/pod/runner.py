@@ -429,7 +429,9 @@ def report(run: PodRun, state: Any) -> int:
             message=state.message,
             traceback=tb,
         )
-        record.carry_state(final)
+        if not record.carry_state(final):
+            storage.write_uri(f"{run.job_dir}/{layout.FINAL_STATE_PICKLE}", final)
+        del final  # a large state: its bytes are up, no copy of it needs to stay
         reference = prefect_results.result_reference(shipped)
         if reference is not None:
             # The orchestrator deserialises the result record only if it is what the pod wrote.

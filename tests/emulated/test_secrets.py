@@ -18,6 +18,7 @@ from prefect.settings import (
 )
 
 from kinetic_prefect.backends.base import PodExit
+from kinetic_prefect.common.layout import FINAL_STATE_PICKLE
 from kinetic_prefect.common.records import FINAL_STATE_JSON, FinalRecord
 from kinetic_prefect.common.storage import JobsStore, open_store
 from kinetic_prefect.errors import TamperedRecordError
@@ -117,8 +118,10 @@ VICTIM = "kp-victim-0001"
 
 
 def _signed_attempt(store: JobsStore, key: str, state_bytes: bytes) -> None:
+    """As a pod leaves it: the record, and a large state beside it."""
     record = FinalRecord(status="finished", state_type="COMPLETED")
-    record.carry_state(state_bytes)
+    if not record.carry_state(state_bytes):
+        store.put_bytes(f"kinetic/{VICTIM}/{FINAL_STATE_PICKLE}", state_bytes)
     record.sign(key)
     store.put_bytes(f"kinetic/{VICTIM}/{FINAL_STATE_JSON}", record.encode())
 
@@ -159,6 +162,27 @@ def test_a_final_state_pickle_rewritten_after_the_pod_signed_it_is_never_unpickl
     record = FinalRecord.decode(jobs_store.get_bytes(key), key)
     record.carry_state(cloudpickle.dumps({"state": _WritesMarkerWhenUnpickled(str(marker))}))
     jobs_store.put_bytes(key, record.encode())
+
+    _assert_refused_unread(jobs_store, marker)
+
+
+def test_a_large_final_state_is_read_from_beside_its_record_and_refused_once_replaced(
+    jobs_store: JobsStore, workdir: Path
+):
+    from prefect.states import Completed
+
+    from kinetic_prefect.common.records import INLINE_STATE_BYTES
+
+    large = b"x" * (INLINE_STATE_BYTES + 1)
+    _signed_attempt(jobs_store, "runner-key", cloudpickle.dumps({"state": Completed(data=large)}))
+    end = read_attempt_end(jobs_store, VICTIM, PodExit(VICTIM, 0), "runner-key")
+    assert end.state.is_completed() and end.state.data == large
+    record = FinalRecord.decode(jobs_store.get_bytes(f"kinetic/{VICTIM}/{FINAL_STATE_JSON}"), "")
+    assert record.state_pickle is None and record.state_sha256 is not None
+
+    marker = workdir / "unpickled"
+    evil = cloudpickle.dumps({"state": _WritesMarkerWhenUnpickled(str(marker)), "pad": large})
+    jobs_store.put_bytes(f"kinetic/{VICTIM}/{FINAL_STATE_PICKLE}", evil)
 
     _assert_refused_unread(jobs_store, marker)
 
