@@ -61,6 +61,18 @@ SPEC_FILE = "spec.json"
 ENV_SPEC_FILE = "kinetic-environment.json"
 # In an unpacked environment on a node, written once all of it is there.
 UNPACKED_MARKER = ".kinetic-env-ready"
+
+
+def node_cache_entry(key: str, sha256: str) -> str:
+    """The directory a node unpacks environment `key`'s archive `sha256` into.
+
+    One per archive, not per key: an environment built again (another environment store,
+    or a rebuild) has another archive, and unpacking it in place of the first would pull
+    the files from under the pods running on it. `pod/bootstrap.py` keeps a copy.
+    """
+    return f"{key}-{sha256[:16]}"
+
+
 _DETECTED = ("uv.lock", "pylock.toml", "requirements.txt", "pyproject.toml")
 
 

@@ -81,7 +81,7 @@ ENV_SPEC_FILE = "kinetic-environment.json"
 # The records this file writes and reads, as the models of `kinetic_prefect.common.records`
 # and `kinetic_prefect.common.environment_records` define them (kind, version, fields).
 FINAL_STATE_KIND = "final-state"
-FINAL_STATE_VERSION = 1
+FINAL_STATE_VERSION = 2
 FINAL_STATE_FIELDS = (
     "status", "phase", "error_type", "message", "traceback", "state_type", "state_name",
     "versions", "timings", "state_pickle", "state_sha256", "result_storage_key",
@@ -405,9 +405,17 @@ def unpack(archive: Path, directory: Path) -> None:
 # -- run ---------------------------------------------------------------------------------------
 
 
+def node_cache_entry(key: str, sha256: str) -> str:
+    """The node cache's directory for environment `key`'s archive `sha256` (one per archive:
+    a rebuilt environment never replaces the files running pods use). As
+    `kinetic_prefect.launch.environment.node_cache_entry`."""
+    return f"{key}-{sha256[:16]}"
+
+
 def ready_environment(archive_uri: str, sha256: str, key: str) -> Path:
     """The unpacked environment on this node: unpacked now unless an earlier pod did it."""
     cache = Path(os.environ.get(ENV_CACHE_ENV) or DEFAULT_CACHE)
+    key = node_cache_entry(key, sha256)
     target = cache / key
     cache.mkdir(parents=True, exist_ok=True)
     hold_in_use(cache, key)
@@ -691,6 +699,7 @@ def cached_copy_problem(target: Path, sha256: str) -> str | None:
 def verified_environment(archive_uri: str, sha256: str, key: str) -> Path:
     """The environment in the node cache, unpacked again unless the copy there verifies."""
     cache = Path(os.environ.get(ENV_CACHE_ENV) or DEFAULT_CACHE)
+    key = node_cache_entry(key, sha256)
     target = cache / key
     cache.mkdir(parents=True, exist_ok=True)
     hold_in_use(cache, key)  # its last use is now (the task container mounts it read-only)

@@ -219,6 +219,26 @@ def test_a_refused_copy_is_logged_and_unpacked_again(
     assert "is refused (entries changed since it was unpacked: 1" in capsys.readouterr().err
 
 
+def test_another_archive_of_the_same_environment_leaves_the_copy_pods_run_on_alone(
+    node_copy: Path, tmp_path: Path
+) -> None:
+    # The same environment key built again (another environment store, or a rebuild): its
+    # archive differs, and a pod already running on the first copy must keep its files.
+    source = tmp_path / "rebuilt"
+    (source / "pkg").mkdir(parents=True)
+    (source / "pkg" / "__init__.py").write_text("VALUE = 'rebuilt'\n")
+    packed = tmp_path / "rebuilt.tar.gz"
+    sha256, _ = bootstrap.pack(source, packed)
+    first = (node_copy / "pkg" / "__init__.py").stat().st_ino
+
+    second = bootstrap.verified_environment(str(packed), sha256, "key")
+
+    assert second != node_copy
+    assert (second / "pkg" / "__init__.py").read_text() == "VALUE = 'rebuilt'\n"
+    assert (node_copy / "pkg" / "__init__.py").stat().st_ino == first
+    assert (node_copy / "pkg" / "__init__.py").read_text() == "VALUE = 'built'\n"
+
+
 def test_a_file_added_to_the_node_copy_is_caught(
     archive: tuple[Path, str], node_copy: Path
 ) -> None:

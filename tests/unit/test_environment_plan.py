@@ -39,6 +39,8 @@ def test_the_bootstrap_speaks_the_contract_the_package_writes() -> None:
     for name in ("ARCHIVE_FILE", "MANIFEST_FILE", "MARKER_FILE", "SPEC_FILE", "ENV_SPEC_FILE",
                  "UNPACKED_MARKER"):  # fmt: skip
         assert getattr(bootstrap, name) == getattr(environment, name)
+    key, sha256 = "k" * 64, "0123456789abcdef" * 4
+    assert bootstrap.node_cache_entry(key, sha256) == environment.node_cache_entry(key, sha256)
 
 
 def test_the_bootstrap_imports_only_the_standard_library() -> None:

@@ -84,7 +84,7 @@ def test_a_node_copy_starts_without_the_bootstrap_unless_it_first_waits_for_the_
 ):
     from kinetic_prefect.backends.local.interpreter import started_from_node_copy
 
-    _environment(tmp_path, "k", 10)
+    _environment(tmp_path, bootstrap.node_cache_entry("k", "s"), 10)
     command = ["python", "-c", "SOURCE", "run", "--archive", archive, "--sha256", "s"]
     command += ["--key", "k", "--module", "kinetic_prefect.pod", "--", "job"]
     env = {bootstrap.ENV_CACHE_ENV: str(tmp_path), "GCE_METADATA_HOST": metadata_host}

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kinetic_prefect.common.env import ENV_CACHE_ENV, METADATA_HOST_ENVS, SHIPPED_ENV_ENV
-from kinetic_prefect.launch.environment import UNPACKED_MARKER, cache_dir
+from kinetic_prefect.launch.environment import UNPACKED_MARKER, cache_dir, node_cache_entry
 from kinetic_prefect.launch.manifest import container_of
 
 
@@ -69,7 +69,7 @@ def started_from_node_copy(
     cache = env.get(ENV_CACHE_ENV)
     if not cache or "--key" not in options or "--module" not in options:
         return None
-    directory = Path(cache) / options["--key"]
+    directory = Path(cache) / node_cache_entry(options["--key"], options.get("--sha256", ""))
     if not (directory / UNPACKED_MARKER).is_file():
         return None
     if options.get("--archive", "").startswith("gs://") and any(
