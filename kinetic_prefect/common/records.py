@@ -44,7 +44,8 @@ class FinalRecord(SignedRecord):
     """
 
     kind: Literal["final-state"] = "final-state"
-    version: int = 1
+    # 2: `state_sha256` (a large state beside the record).
+    version: int = 2
     status: str
     phase: str | None = None
     error_type: str | None = None

@@ -430,7 +430,9 @@ def report(run: PodRun, state: Any) -> int:
             traceback=tb,
         )
         if not record.carry_state(final):
-            storage.write_uri(f"{run.job_dir}/{layout.FINAL_STATE_PICKLE}", final)
+            beside = f"{run.job_dir}/{layout.FINAL_STATE_PICKLE}"
+            with run.phase("report", f"the pod could not write {beside}: check its access"):
+                storage.write_uri(beside, final)
         del final  # a large state: its bytes are up, no copy of it needs to stay
         reference = prefect_results.result_reference(shipped)
         if reference is not None:

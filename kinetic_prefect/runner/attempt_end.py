@@ -165,12 +165,18 @@ def read_attempt_end(
         return AttemptEnd(state, reported_by_pod=True)
     pickled = record.carried_state()
     if pickled is None and record.state_sha256 is not None:
-        pickled = _state_beside(store, prefix, record.state_sha256)
-        if pickled is None:
-            return _tampered(
-                job_id,
-                f"{layout.FINAL_STATE_PICKLE} is missing or is not the one the record signed",
+        beside = f"{prefix}/{layout.FINAL_STATE_PICKLE}"
+        try:
+            pickled = store.get_bytes(beside)
+        except FileNotFoundError:
+            message = (
+                f"The final state of pod {job_id} is gone: {store.uri(beside)}, which its "
+                "record names, is not there (removed by `kinetic-prefect jobs cleanup` or a "
+                "bucket lifecycle rule?). Rerun the task."
             )
+            return AttemptEnd(Failed(message=message, data=FileNotFoundError(message)), False)
+        if hashlib.sha256(pickled).hexdigest() != record.state_sha256:
+            return _tampered(job_id, f"{layout.FINAL_STATE_PICKLE} is not the one it signed")
     if pickled is None:
         return _tampered(job_id, f"the signed {FINAL_STATE_JSON} of a finished task has no state")
     final = cloudpickle.loads(pickled)
@@ -187,15 +193,6 @@ def read_attempt_end(
     if final.get("traceback"):
         attach_remote_traceback(state, final["traceback"])
     return AttemptEnd(state, reported_by_pod=True, task_run=final.get("task_run"))
-
-
-def _state_beside(store: JobsStore, prefix: str, sha256: str) -> bytes | None:
-    """The pickled state written beside the record, if it is the one the record signed."""
-    try:
-        data = store.get_bytes(f"{prefix}/{layout.FINAL_STATE_PICKLE}")
-    except FileNotFoundError:
-        return None
-    return data if hashlib.sha256(data).hexdigest() == sha256 else None
 
 
 def _tampered(job_id: str, what: str) -> AttemptEnd:

@@ -123,6 +123,8 @@ class Launcher:
         from prefect.exceptions import UpstreamTaskError
         from prefect.utilities.engine import resolve_inputs_sync
 
+        if self._flow_run_found_over(launch):
+            return
         try:
             try:
                 # The engine's own resolution (a single future, a list, nested, behind
@@ -226,8 +228,7 @@ class Launcher:
         """Package, upload and launch one pod for the task run; none once its flow run was
         found over (its lease marked): the run takes that in instead (`FlowRunOver`), as the
         runs that were unfinished when the lease was marked did."""
-        if self.resources.flow_run_ending(launch) is not None:
-            self.loop.post(launch, FlowRunOver(CANCELLED_ON_EXIT))
+        if self._flow_run_found_over(launch):
             return
         settings = launch.settings
         jobs_root = settings.resolved_jobs_root()
@@ -289,6 +290,14 @@ class Launcher:
         if self.resources.warm_pods.take(launch, spec, backend, store, secrets, self, unsent):
             return
         self._launch_cold(launch, spec, backend, secrets)
+
+    def _flow_run_found_over(self, launch: TaskLaunch) -> bool:
+        """Whether the lease found the run's flow run over (it is marked): then the run
+        takes that in (`FlowRunOver`) instead of being prepared or launched."""
+        if self.resources.flow_run_ending(launch) is None:
+            return False
+        self.loop.post(launch, FlowRunOver(CANCELLED_ON_EXIT))
+        return True
 
     def _package_attempt(self, launch: TaskLaunch, root: Path) -> tuple[bytes, str]:
         """The attempt's payload: its bytes and sha256."""

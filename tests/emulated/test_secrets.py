@@ -180,6 +180,12 @@ def test_a_large_final_state_is_read_from_beside_its_record_and_refused_once_rep
     record = FinalRecord.decode(jobs_store.get_bytes(f"kinetic/{VICTIM}/{FINAL_STATE_JSON}"), "")
     assert record.state_pickle is None and record.state_sha256 is not None
 
+    # Gone (a cleanup, a lifecycle rule): said so, not taken for tampering.
+    jobs_store.delete_prefix(f"kinetic/{VICTIM}/{FINAL_STATE_PICKLE}")
+    gone = read_attempt_end(jobs_store, VICTIM, PodExit(VICTIM, 0), "runner-key").state
+    assert gone.is_failed() and "is gone" in (gone.message or "")
+    assert "altered" not in (gone.message or "")
+
     marker = workdir / "unpickled"
     evil = cloudpickle.dumps({"state": _WritesMarkerWhenUnpickled(str(marker)), "pad": large})
     jobs_store.put_bytes(f"kinetic/{VICTIM}/{FINAL_STATE_PICKLE}", evil)

@@ -396,6 +396,8 @@ def _no_victims(short: str) -> str:
         ("l4", "memory", True),
         # The accelerator itself is taken: busy nodes.
         ("l4", "nvidia.com/gpu", False),
+        # Short of what no request of the product sets: no advice about cpu or memory.
+        ("l4", "ephemeral-storage", False),
         # A cpu pod: no accelerator to tell the two apart by.
         ("cpu", "cpu", False),
     ],
@@ -409,4 +411,7 @@ def test_busy_nodes_short_of_cpu_alone_note_the_system_pods_for_an_accelerator_p
 
     assert waiting is not None and waiting.waits_for_capacity
     assert f"2/2 {accelerator} nodes busy (Insufficient {short})" in waiting.reason
-    assert ("beside its system pods" in waiting.reason) is noted, waiting.reason
+    assert (
+        f"beside its system pods (`kubectl describe node`, Allocated resources): lower its {short}"
+        in waiting.reason
+    ) is noted, waiting.reason

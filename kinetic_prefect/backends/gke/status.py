@@ -454,8 +454,12 @@ def _unschedulable(
     return Pending(f"{text} — {hint}" if hint else text, unschedulable=True)
 
 
+_ACCELERATORS = ("nvidia.com/gpu", "google.com/tpu")
+_HOST_RESOURCES = {"Insufficient cpu": "cpu", "Insufficient memory": "memory"}
+
+
 def _beside_system_pods(short: list[str], manifest: Mapping[str, Any]) -> str:
-    """A note for an accelerator pod whose nodes are short of cpu or memory alone.
+    """A note for a GPU or TPU pod whose nodes are short of cpu or memory alone.
 
     kube-scheduler says `No preemption victims found` both for nodes other pods hold and
     for a request that fits a node's allocatable but not beside its system pods, which are
@@ -464,12 +468,13 @@ def _beside_system_pods(short: list[str], manifest: Mapping[str, Any]) -> str:
     """
     resources = container_of(manifest).get("resources") or {}
     asked = {**(resources.get("limits") or {}), **(resources.get("requests") or {})}
-    if not short or any("/" in r for r in short) or not any("/" in r for r in asked):
+    if not short or not set(short) <= set(_HOST_RESOURCES) or not set(asked) & set(_ACCELERATORS):
         return ""
+    what = " and ".join(_HOST_RESOURCES[r] for r in short)
     return (
-        "; their accelerators are free: if nothing else runs there, the pod asks for more "
-        "than a node has beside its system pods (`kubectl describe node`, Allocated "
-        "resources), lower cpu/memory"
+        f" — their accelerators are free, so if nothing else runs there the pod asks for "
+        f"more {what} than a node has beside its system pods (`kubectl describe node`, "
+        f"Allocated resources): lower its {what}"
     )
 
 
