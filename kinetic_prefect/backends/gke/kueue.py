@@ -40,7 +40,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from prefect.logging import get_logger
 
 from kinetic_prefect.backends.gke.client import api_error_message, get_json, read_json
-from kinetic_prefect.backends.gke.status import queue_name_of, true_condition
+from kinetic_prefect.backends.gke.status import false_condition, queue_name_of, true_condition
 from kinetic_prefect.backends.gke.watch import TrackedJob
 from kinetic_prefect.common.intervals import Intervals
 
@@ -115,14 +115,7 @@ _MISSING_QUEUE = re.compile(
 
 def missing_queue(workload: Mapping[str, Any] | None, namespace: str) -> str | None:
     """Why the Workload cannot be admitted when its queue does not exist, else None."""
-    condition = next(
-        (
-            c
-            for c in (((workload or {}).get("status") or {}).get("conditions") or [])
-            if c.get("type") == "QuotaReserved" and c.get("status") == "False"
-        ),
-        None,
-    )
+    condition = false_condition(workload, "QuotaReserved")
     found = _MISSING_QUEUE.match(str((condition or {}).get("message") or ""))
     if found is None:
         return None
@@ -155,14 +148,7 @@ def queued_message(
         if cluster is not None:
             text += f" ({int(cluster) + 1} in its ClusterQueue)"
     for kind in ("QuotaReserved", "Admitted"):
-        condition = next(
-            (
-                c
-                for c in ((workload.get("status") or {}).get("conditions") or [])
-                if c.get("type") == kind and c.get("status") == "False"
-            ),
-            None,
-        )
+        condition = false_condition(workload, kind)
         if condition is not None and condition.get("message"):
             text += f": {condition['message']}"
             break

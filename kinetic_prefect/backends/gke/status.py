@@ -61,8 +61,17 @@ def _conditions(obj: Mapping[str, Any] | None) -> list[dict[str, Any]]:
 
 def true_condition(obj: Mapping[str, Any] | None, kind: str) -> dict[str, Any] | None:
     """The condition of type `kind` whose status is True, if the object has one."""
+    return _condition(obj, kind, "True")
+
+
+def false_condition(obj: Mapping[str, Any] | None, kind: str) -> dict[str, Any] | None:
+    """The condition of type `kind` whose status is False, if the object has one."""
+    return _condition(obj, kind, "False")
+
+
+def _condition(obj: Mapping[str, Any] | None, kind: str, status: str) -> dict[str, Any] | None:
     for condition in _conditions(obj):
-        if condition.get("type") == kind and condition.get("status") == "True":
+        if condition.get("type") == kind and condition.get("status") == status:
             return condition
     return None
 
@@ -211,10 +220,15 @@ def accelerator_hint(manifest: Mapping[str, Any]) -> str:
     )
 
 
+def _asked(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """What the task container asks for (a limit without a request is its request)."""
+    resources = container_of(manifest).get("resources") or {}
+    return {**(resources.get("limits") or {}), **(resources.get("requests") or {})}
+
+
 def _could_hold(node: Mapping[str, Any], manifest: Mapping[str, Any]) -> bool:
     """Whether `node`'s allocatable covers what the task container asks, were it empty."""
-    resources = container_of(manifest).get("resources") or {}
-    asked = {**(resources.get("limits") or {}), **(resources.get("requests") or {})}
+    asked = _asked(manifest)
     allocatable = (node.get("status") or {}).get("allocatable") or {}
     try:
         return all(
@@ -466,9 +480,11 @@ def _beside_system_pods(short: list[str], manifest: Mapping[str, Any]) -> str:
     never preempted for it (kubernetes#131345 marks only requests over the allocatable as
     unresolvable). With the accelerator itself free, the second is likely.
     """
-    resources = container_of(manifest).get("resources") or {}
-    asked = {**(resources.get("limits") or {}), **(resources.get("requests") or {})}
-    if not short or not set(short) <= set(_HOST_RESOURCES) or not set(asked) & set(_ACCELERATORS):
+    if (
+        not short
+        or not set(short) <= set(_HOST_RESOURCES)
+        or not set(_asked(manifest)) & set(_ACCELERATORS)
+    ):
         return ""
     what = " and ".join(_HOST_RESOURCES[r] for r in short)
     return (
