@@ -266,7 +266,7 @@ def jobs_logs(
 
     async def show(source: JobSource) -> None:
         # A task that ran in a warm pod after its first task has no pod of its own to follow.
-        pod = await warm_pod_for(source, store, job_id)
+        pod = warm_pod_for(store, job_id)
         if not follow or pod is not None:
             typer.echo(await task_log(source, pod, job_id, tail, host), nl=False)
             return

@@ -174,43 +174,16 @@ class ClusterJobs:
         return str(pod["metadata"]["name"])
 
 
-def warm_pod_of(store: JobsStore | None, job_id: str) -> str | None:
-    """The warm pod that its `warm-pod.json` says ran job `job_id`, if there is one."""
-
-    from kinetic_prefect.common.handover import Acceptance
+def warm_pod_for(store: JobsStore | None, job_id: str) -> str | None:
+    """The warm pod that took job `job_id` after its first task (its `warm-pod.json`), if one
+    did; None for a pod's own first task."""
+    from kinetic_prefect.common.handover import claimant
     from kinetic_prefect.common.layout import WARM_POD_JSON
 
     if store is None:
         return None
-    key = layout.job_file(job_id, WARM_POD_JSON)
-    if not store.exists(key):
-        return None
-    return Acceptance.decode(store.get_bytes(key), store.uri(key)).pod
-
-
-def assigned_pod_of(store: JobsStore, job_id: str) -> str | None:
-    """The warm pod whose warm dir holds job `job_id`'s assignment: a pod that took it as
-    it reported its task before writes no `warm-pod.json` (a scan of the jobs store)."""
-    from kinetic_prefect.common.handover import batch_from_json
-
-    for name, _ in store.list(f"{layout.JOBS_PREFIX}/"):
-        pod, _, file = name.removeprefix(f"{layout.JOBS_PREFIX}/").partition("/warm/")
-        if not file.startswith("assign-"):
-            continue
-        if any(
-            task.job_id == job_id
-            for task in batch_from_json(store.get_bytes(name), store.uri(name))
-        ):
-            return pod
-    return None
-
-
-async def warm_pod_for(source: JobSource, store: JobsStore | None, job_id: str) -> str | None:
-    """The warm pod that ran (or runs) job `job_id` after its first task, if one did."""
-    pod = warm_pod_of(store, job_id)
-    if pod is None and store is not None and await source.started(job_id) is None:
-        pod = assigned_pod_of(store, job_id)
-    return pod
+    pod = claimant(store, layout.job_file(job_id, WARM_POD_JSON))
+    return None if pod == job_id else pod
 
 
 async def task_log(

@@ -7,12 +7,17 @@ payload inline when it is small (else its URI) and the env that differs from the
 pod's own. The runner writes a batch (up to `MAX_BATCH` tasks) while the pod still
 runs its task when every pod of the spec is busy; to an idle pod it hands one task.
 
-The pod accepts a task before it touches it, so that a runner that sees the pod exit
-can tell a task the pod never picked up from one it ran. A pod that has its next task
-as it reports a task (the rest of a batch, or a batch it finds then) names it in that
-task's final record (`FinalRecord.next_job`); one that finds it later, while idle,
-writes the task's `warm-pod.json` (`common.layout.WARM_POD_JSON`, naming the pod).
-`kinetic-prefect jobs logs` finds the pod from either, or from the assignment itself.
+Every task a warm pod runs is claimed before anything of it runs: the pod writes the
+task's `warm-pod.json` (`Claim`, `common.layout.WARM_POD_JSON`) only if there is none,
+and runs the task only if the claim names it. That includes the first task, which came
+in the Job's arguments. So the runner can take back a task no pod has started, by
+writing the claim first: to give a pod's queued task, or the first task of a pod still
+waiting for a node, to an idle pod of its spec (which then claims it over the
+runner's), or to cancel it without ending the pod. A pod that exits has run
+exactly the tasks whose claim names it, and `kinetic-prefect jobs logs` finds a
+task's warm pod the same way. A pod that has its next task as it reports a task also
+names it in that task's final record (`FinalRecord.next_job`), which tells the runner
+that the task started.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field
 
 from kinetic_prefect.common.contract import Record, parse_json
+from kinetic_prefect.common.storage import JobsStore
 from kinetic_prefect.errors import RecordError
 
 # The lines around each task's part of a warm pod's log (`jobs logs JOB_ID` cuts there).
@@ -94,18 +100,55 @@ def batch_from_json(data: bytes, source: str) -> list[Assignment]:
     return [Assignment.from_fields(item, f"{source}[{i}]") for i, item in enumerate(items)]
 
 
-class Acceptance(Record):
-    """A task's `warm-pod.json`: the warm pod that took the task, and in which assignment."""
+class Claim(Record):
+    """A task's `warm-pod.json`: which warm pod runs the task, written once
+    (`JobsStore.put_if_absent`) before anything of the task runs.
 
-    kind: Literal["warm-acceptance"] = "warm-acceptance"
+    A pod writes it as it takes the task. The runner writes it first to take back a
+    task no pod has taken: for an idle pod (`pod` names it; that pod writes its own
+    claim over it as it takes the task) or for none (`pod` empty: cancelled).
+    """
+
+    kind: Literal["warm-claim"] = "warm-claim"
     version: int = 1
     pod: str
-    sequence: int
+    sequence: int  # the assignment it came in (0: the Job's own first task)
+    by_runner: bool = False
 
 
-def acceptance(pod_id: str, sequence: int) -> bytes:
-    """What a warm pod writes to a task's `warm-pod.json` as it takes the task."""
-    return Acceptance(pod=pod_id, sequence=sequence).encode()
+def claim(store: JobsStore, key: str, pod_id: str, sequence: int) -> bool:
+    """Claim the task whose `warm-pod.json` is `key` for the pod `pod_id`, as that pod: True
+    if it is the pod's now, False if the runner took it back for another pod or for none.
+    Raises if the store cannot say."""
+    mine = Claim(pod=pod_id, sequence=sequence)
+    if store.put_if_absent(key, mine.encode()):
+        return True
+    there = Claim.decode(store.get_bytes(key), store.uri(key))
+    if there.pod != pod_id:
+        return False
+    if there.by_runner:  # kept for this pod by the runner: now it takes it
+        store.put_bytes(key, mine.encode())
+    return True
+
+
+def take_back(store: JobsStore, key: str, for_pod: str, sequence: int) -> bool:
+    """As the runner, keep the task whose `warm-pod.json` is `key` for the pod `for_pod`
+    (for none: ""): True unless a pod has claimed it. Raises if the store cannot say."""
+    kept = Claim(pod=for_pod, sequence=sequence, by_runner=True)
+    if store.put_if_absent(key, kept.encode()):
+        return True
+    there = Claim.decode(store.get_bytes(key), store.uri(key))
+    return there.by_runner and there.pod == for_pod
+
+
+def claimant(store: JobsStore, key: str) -> str | None:
+    """The pod that took the task whose `warm-pod.json` is `key`; None if no pod did (yet).
+    Raises if the store cannot say."""
+    try:
+        there = Claim.decode(store.get_bytes(key), store.uri(key))
+    except FileNotFoundError:
+        return None
+    return None if there.by_runner else there.pod
 
 
 def task_section(log: str, job_id: str) -> str:

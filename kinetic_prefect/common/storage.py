@@ -27,6 +27,7 @@ class JobsStore(Protocol):
     def uri(self, key: str) -> str: ...
     def put_bytes(self, key: str, data: bytes) -> str: ...
     def put_stream(self, key: str, stream: BinaryIO, size: int) -> str: ...
+    def put_if_absent(self, key: str, data: bytes) -> bool: ...
     def get_bytes(self, key: str) -> bytes: ...
     def get_file(self, key: str, destination: Path) -> None: ...
     def exists(self, key: str) -> bool: ...
@@ -67,6 +68,23 @@ class LocalStore:
             raise
         self.bytes_uploaded += size
         return str(path)
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Write the object only if there is none (True), in one step: a reader never sees
+        it half written, and of two writers exactly one gets True."""
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=_PARTIAL)
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
+            os.link(tmp, path)  # fails if `path` exists, unlike a rename
+        except FileExistsError:
+            return False
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+        self.bytes_uploaded += len(data)
+        return True
 
     def get_bytes(self, key: str) -> bytes:
         return self._path(key).read_bytes()
@@ -137,3 +155,9 @@ def write_uri(uri: str, data: bytes) -> str:
     """Write one artifact by its full URI."""
     store, key = split_uri(uri)
     return store.put_bytes(key, data)
+
+
+def create_uri(uri: str, data: bytes) -> bool:
+    """Write one artifact by its full URI unless it exists (`JobsStore.put_if_absent`)."""
+    store, key = split_uri(uri)
+    return store.put_if_absent(key, data)

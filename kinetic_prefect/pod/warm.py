@@ -2,10 +2,11 @@
 
 The hand-over goes through the jobs store (`kinetic_prefect.common.handover`):
 the pod's warm dir (`KINETIC_WARM_DIR`) receives the next assignment, a batch of
-tasks, often while the pod still runs its task. As it reports a task, the pod takes
-its next one (the rest of its batch, or the first of a batch it finds then) and names
-it in that final record; otherwise it waits for an assignment and accepts its first
-task with the task's `warm-pod.json`. Either way before it touches the task.
+tasks, often while the pod still runs its task. The pod claims each task, its first
+one included, before it touches it, and skips a task the runner took back. As it
+reports a task, it claims its next one (the rest of its batch, or the first of a batch
+it finds then) and names it in that final record; otherwise it waits for an
+assignment.
 
 Between tasks the pod goes back to its base environment: `os.environ` as the pod
 started, its working directory and a fresh scratch directory per task. What stays
@@ -32,9 +33,9 @@ from kinetic_prefect.common.env import (
 )
 from kinetic_prefect.common.handover import (
     Assignment,
-    acceptance,
     assignment_name,
     batch_from_json,
+    claim,
     poll_seconds,
 )
 from kinetic_prefect.common.intervals import Intervals
@@ -86,65 +87,69 @@ class WarmLoop:
         except FileNotFoundError:
             return None
 
-    def _next_batch(self, data: bytes) -> Assignment:
-        """The first task of the batch just read; the rest are kept for later."""
-        first, *self.batch = batch_from_json(
-            data, f"{self.warm_dir}/{assignment_name(self.sequence + 1)}"
-        )
+    def _look(self) -> bool:
+        """Read the next assignment into the batch; False while it is not there."""
+        name = assignment_name(self.sequence + 1)
+        data = self._read(name)
+        if data is None:
+            return False
+        self.batch = batch_from_json(data, f"{self.warm_dir}/{name}")
         self.sequence += 1
-        return first
+        return True
+
+    def claims(self, job_dir: str, job_id: str, sequence: int) -> bool:
+        """Claim a task for this pod; False if the runner took it back (for another pod,
+        or cancelled). Raises if the store cannot say."""
+        store, key = storage.split_uri(f"{job_dir.rstrip('/')}/{WARM_POD_JSON}")
+        if claim(store, key, self.pod_id, sequence):
+            return True
+        log(f"job {job_id} was taken back by the runner: not running it here")
+        return False
+
+    def _claim_next(self) -> Assignment | None:
+        """The next task of the batch this pod claims, reading assignments as long as they
+        are there; None when there is none now. A claim the store fails leaves its task
+        first in the batch, to claim again."""
+        while True:
+            while self.batch:
+                task = self.batch[0]
+                mine = self.claims(task.job_dir, task.job_id, self.sequence)
+                self.batch.pop(0)
+                if mine:
+                    return task
+            if not self._look():
+                return None
 
     def take_next(self) -> str | None:
-        """Before the task's report: take the next task if the pod has it or the runner has
-        written it already (the report then names its job: the pod's acceptance)."""
-        if self.batch:
-            self.taken = self.batch.pop(0)
-            return self.taken.job_id
+        """Before the task's report: claim the next task if the pod has it or the runner has
+        written it already (the report then names its job)."""
         try:
-            data = self._read(assignment_name(self.sequence + 1))
+            self.taken = self._claim_next()
         except Exception as exc:  # the wait after the report looks again
             log(f"could not look for the next task: {type(exc).__name__}: {exc}")
             return None
-        if data is None:
-            return None
-        self.taken = self._next_batch(data)
-        return self.taken.job_id
+        return self.taken.job_id if self.taken is not None else None
 
     def wait_for_assignment(self) -> Assignment | None:
-        """The next task, or None once the pod has been idle for its idle time."""
+        """The next task this pod claims, or None once it has been idle for its idle time.
+        The pod looks less often the longer it idles (a map's next task comes at once, a
+        later one may wait a little), and once more at the end of its idle time."""
         if self.taken is not None:
             taken, self.taken = self.taken, None
             return taken
-        if self.batch:
-            task = self.batch.pop(0)
-        else:
-            data = self._wait_for(assignment_name(self.sequence + 1))
-            if data is None:
-                return None
-            task = self._next_batch(data)
-        # Written before anything of the task runs: a pod that exits without it never took it.
-        storage.write_uri(
-            f"{task.job_dir.rstrip('/')}/{WARM_POD_JSON}", acceptance(self.pod_id, self.sequence)
-        )
-        return task
-
-    def _wait_for(self, name: str) -> bytes | None:
-        """The warm dir's `name` once it is there, or None after the idle time. The pod looks
-        less often the longer it idles (a map's next task comes at once, a later one may
-        wait a little), and once more at the end of its idle time."""
         started = time.monotonic()
         deadline = started + self.idle_seconds
         base = poll_seconds(self.warm_dir)
         # No look at once: the pod looked just before its report, and the runner hands
         # the next task only after it has read that report.
         time.sleep(base)
-        while (data := self._read(name)) is None:
+        while (task := self._claim_next()) is None:
             now = time.monotonic()
             if now >= deadline:
                 return None
             interval = base * min(1 + (now - started) / self.slowdown_seconds, MAX_SLOWDOWN)
             time.sleep(min(interval, deadline - now))
-        return data
+        return task
 
     def begin_task(self, env: dict[str, str] | None = None) -> None:
         """The base environment plus the task's own env, and a fresh scratch dir."""
@@ -171,16 +176,19 @@ class WarmLoop:
         run.send_telemetry_before_report = True
         run.take_next = self.take_next
         assignment: Assignment | None = None
+        # The first task came in the Job's arguments; the runner may have taken it back.
+        mine = self.claims(run.job_dir, self.pod_id, 0)
         while True:
-            code, state = self._run_one(run, assignment)
-            if code == EXIT_PHASE_FAILED or (state is not None and state.is_crashed()):
-                log("ending this warm pod: its last task did not end cleanly")
-                return code
+            if mine:
+                code, state = self._run_one(run, assignment)
+                if code == EXIT_PHASE_FAILED or (state is not None and state.is_crashed()):
+                    log("ending this warm pod: its last task did not end cleanly")
+                    return code
             assignment = self.wait_for_assignment()
             if assignment is None:
                 log(f"idle for {self.idle_seconds:g}s: ending this warm pod")
                 return EXIT_COMPLETED
-            run = self._next_run(run, assignment)
+            run, mine = self._next_run(run, assignment), True
 
     def _run_one(self, run: PodRun, assignment: Assignment | None) -> tuple[int, Any]:
         """One task run between the log's begin and end marks, in its own environment."""

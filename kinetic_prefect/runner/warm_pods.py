@@ -158,6 +158,12 @@ class Placement:
     on_end: OnEnd
     on_pending: OnPending
     post: Post
+    # A pod is known to have claimed the task: it cannot be taken back.
+    claimed: bool = False
+    # Being taken back for another pod (`WarmPods._take`): its pod's exit leaves it alone.
+    moving: bool = False
+    # The runner's claim keeps it for a pod that has not claimed it yet.
+    kept: bool = False
 
 
 @dataclass
@@ -177,6 +183,7 @@ class WarmPod:
     accepted: bool = True  # the pod is known to have taken the running task
     deadline: float | None = None
     deadline_hit: bool = False
+    exit_outcome: PodExit | None = None  # how it ended, once it has
     # Writing a task's assignment failed: the pod is being ended; if it took the task
     # anyway, the task is retried as a pod the infrastructure took away, not cancelled.
     handover_failed: bool = False
@@ -185,7 +192,6 @@ class WarmPod:
     ended: bool = False
     proven: bool = False  # it ended a task: it runs
     capacity_wait: bool = False  # not yet running: the nodes of its kind are busy
-    given_a_node: bool = False  # an idle pod of its spec ended to make room for it
 
     busy_since: float = 0.0
     next_check: float = 0.0
@@ -231,9 +237,18 @@ class WarmPod:
             leaving=self.retiring or self.ended,
             ended=self.ended,
             capacity_wait=self.capacity_wait,
-            given_a_node=self.given_a_node,
             handover_failed=self.handover_failed,
+            takeable=len(self.takeable()),
         )
+
+    def takeable(self) -> list[Placement]:
+        """Its tasks another pod may take: those queued, or the first task while the pod
+        waits for a node, as long as it is not known to have claimed them."""
+        if self.capacity_wait and not self.proven and self.current == 0:
+            tasks = [self.placement] if self.placement is not None else []
+        else:
+            tasks = self.queued
+        return [task for task in tasks if not (task.claimed or task.moving)]
 
 
 def capacity(backend: Backend) -> int | None:
@@ -279,20 +294,11 @@ def task_assignment(pod: WarmPod, placement: Placement) -> warm.Assignment:
     )
 
 
-def took_task(pod: WarmPod, job_id: str, before: str | None = None) -> bool:
-    """Whether the pod accepted the task of job `job_id`: its `warm-pod.json`, or the final
-    record of `before` (the pod's task before it) naming it. If the store cannot tell, it did."""
+def took_task(pod: WarmPod, job_id: str) -> bool:
+    """Whether the pod took the task of job `job_id`: its claim names the pod. If the store
+    cannot tell, it did."""
     try:
-        if pod.store.exists(layout.job_file(job_id, WARM_POD_JSON)):
-            return True
-        if before is None:
-            return False
-        try:
-            previous = pod.store.get_bytes(layout.job_file(before, FINAL_STATE_JSON))
-        except FileNotFoundError:
-            return False
-        source = pod.store.uri(layout.job_file(before, FINAL_STATE_JSON))
-        return FinalRecord.decode(previous, source).next_job == job_id
+        return warm.claimant(pod.store, layout.job_file(job_id, WARM_POD_JSON)) == pod.pod_id
     except Exception:
         logger.warning(
             "Could not tell whether warm pod %s took its task; its end counts as the task's",
@@ -300,6 +306,18 @@ def took_task(pod: WarmPod, job_id: str, before: str | None = None) -> bool:
             exc_info=True,
         )
         return True
+
+
+def take_back(placement: Placement, for_pod: str = "", sequence: int = 0) -> bool:
+    """Keep `placement`'s task from the pod it was given to, for the pod `for_pod` (its
+    assignment `sequence`), or for none: False if that pod has claimed it, or the store
+    cannot say."""
+    key = layout.job_file(placement.launch.job_id, WARM_POD_JSON)
+    try:
+        return warm.take_back(placement.store, key, for_pod, sequence)
+    except Exception:
+        logger.warning("Could not take back %s", placement.launch.job_id, exc_info=True)
+        return False
 
 
 def task_exit(
@@ -333,6 +351,9 @@ class _Actions:
     batches: list[tuple[WarmPod, int, list[Placement]]] = field(default_factory=list)
     start: list[tuple[WarmPod, Placement]] = field(default_factory=list)
     retire: list[WarmPod] = field(default_factory=list)
+    # (idle pod, its assignment number, the pod the task is taken from, the task, whether
+    # it is that pod's first task: the pod waits for a node)
+    take: list[tuple[WarmPod, int, WarmPod, Placement, bool]] = field(default_factory=list)
 
 
 class WarmPods:
@@ -385,10 +406,16 @@ class WarmPods:
                     self._waiting.remove(placement)
                     return True
             pod = self._pod_running(launch)
+            queued = None
             if pod is None:
-                queued = next((p for p in self._pods if self._queued_on(p, launch)), None)
-                # It waits for the pod's task to end: the pod ends then (`_promote`).
-                return queued is not None
+                pod = next((p for p in self._pods if self._queued_on(p, launch)), None)
+                if pod is None:
+                    return False
+                queued = next(task for task in pod.queued if task.launch is launch)
+        if queued is not None and take_back(queued):
+            self._release(pod, queued)  # the pod skips it when it comes to it
+            return True
+        with self._lock:
             pod.retiring = True
         pod.backend.cancel(pod.pod_id)
         return True
@@ -456,8 +483,17 @@ class WarmPods:
             for pod_id in decided.retire:
                 pods[pod_id].retiring = True
                 actions.retire.append(pods[pod_id])
-            for pod_id in decided.given_a_node:
-                pods[pod_id].given_a_node = True
+            for pod_id, donor_id in decided.take:
+                pod, donor = pods[pod_id], pods[donor_id]
+                placement = donor.takeable()[-1]
+                placement.moving = True
+                first = donor.placement is placement
+                pod.sequence += 1
+                pod.current = pod.sequence
+                pod.accepted = False
+                pod.idle_since = None
+                self._busy(pod, placement, now)
+                actions.take.append((pod, pod.current, donor, placement, first))
             for pod_id, job_id in decided.hand:
                 pod, placement = pods[pod_id], waiting[job_id]
                 self._waiting.remove(placement)
@@ -496,6 +532,8 @@ class WarmPods:
             self._send(pod, sequence, [placement], queued=False)
         for pod, sequence, batch in actions.batches:
             self._send(pod, sequence, batch, queued=True)
+        for pod, sequence, donor, placement, first in actions.take:
+            self._take(pod, sequence, donor, placement, first)
 
     def _busy(self, pod: WarmPod, placement: Placement, now: float) -> None:
         pod.placement = placement
@@ -506,7 +544,7 @@ class WarmPods:
 
     # -- acting ------------------------------------------------------------------------
 
-    def _claim(self, placement: Placement, manifest: dict[str, Any]) -> bool:
+    def _post_started(self, placement: Placement, manifest: dict[str, Any]) -> bool:
         """Tell the runner a pod has the attempt, unless it was cancelled meanwhile."""
         launch = placement.launch
         if launch.cancelled:
@@ -524,7 +562,7 @@ class WarmPods:
         )
         workload = build_workload(spec)
         launch = placement.launch
-        if not self._claim(placement, workload.job):
+        if not self._post_started(placement, workload.job):
             self._forget(pod)
             return
 
@@ -565,30 +603,23 @@ class WarmPods:
         self._watch()
         self._schedule()  # what waits for it may be handed to it now
 
-    def _send(self, pod: WarmPod, sequence: int, placements: list[Placement], queued: bool) -> None:
-        """Write `assign-{sequence}.json` with the placements not cancelled meanwhile: an idle
-        pod's next task (`queued` False), or the tasks queued on a busy pod to take as it ends
-        its task."""
-        claimed = [p for p in placements if self._claim(p, pod.manifest)]
-        if len(claimed) < len(placements):
-            with self._lock:
-                pod.queued = [p for p in pod.queued if p in claimed]
-        if not claimed:
-            with self._lock:
-                # Nothing was written: the number is free again unless a later assignment
-                # was handed meanwhile, which the pod can then never reach: it ends.
-                last = pod.sequence == sequence
-                if last:
-                    pod.sequence -= 1
-                if not queued:
-                    pod.placement = None
-                pod.retiring = pod.retiring or not last
-            if not last:
-                self._retire(pod)
-            elif not queued:
-                self._free(pod)
-            return
-        batch = [task_assignment(pod, placement) for placement in claimed]
+    def _send(
+        self,
+        pod: WarmPod,
+        sequence: int,
+        placements: list[Placement],
+        queued: bool,
+        started: bool = False,
+    ) -> None:
+        """Write `assign-{sequence}.json`: an idle pod's next task (`queued` False), or the
+        tasks queued on a busy pod to take as it ends its task. A task cancelled meanwhile
+        is taken back first, and the pod skips it: every number the pod waits for is
+        written. `started`: the tasks were started before (taken from another pod)."""
+        for placement in placements:
+            if not (started or self._post_started(placement, pod.manifest)):
+                take_back(placement)
+                self._release(pod, placement)
+        batch = [task_assignment(pod, placement) for placement in placements]
         try:
             pod.store.put_bytes(
                 f"{pod.warm_dir}/{warm.assignment_name(sequence)}", warm.batch_to_json(batch)
@@ -605,6 +636,51 @@ class WarmPods:
         logger.debug("%s went to warm pod %s", [a.job_id for a in batch], pod.pod_id)
         self._watch()
 
+    def _take(
+        self, pod: WarmPod, sequence: int, donor: WarmPod, placement: Placement, first: bool
+    ) -> None:
+        """Give `pod` the task taken from `donor` once the store says the donor has not
+        claimed it; else it stays the donor's, and `pod` reads it and skips it. `first`:
+        the donor's first task, while it waits for a node (it ends)."""
+        job_id = placement.launch.job_id
+        try:
+            moved: bool | None = warm.take_back(
+                placement.store, layout.job_file(job_id, WARM_POD_JSON), pod.pod_id, sequence
+            )
+        except Exception:
+            logger.warning("Could not take %s from warm pod %s", job_id, donor.pod_id)
+            moved = None
+        with self._lock:
+            placement.moving = False
+            running = False
+            if moved:
+                placement.kept = True
+                running = self._detach(donor, placement)
+                donor.retiring = donor.retiring or first
+            else:
+                if moved is not None:
+                    # It claims its tasks in order: it has every one before this one too.
+                    for task in [donor.placement, *donor.queued]:
+                        if task is not None:
+                            task.claimed = True
+                pod.placement = None
+                pod.idle_since = time.monotonic()
+                # The store failed: whether `pod` would find the task unclaimed is unknown.
+                pod.retiring = pod.retiring or moved is None
+            donor_ended = donor.exit_outcome
+        if moved is None:
+            self._retire(pod)  # it has nothing: its number is never written
+            return
+        if moved:
+            logger.debug("%s taken from warm pod %s", job_id, donor.pod_id)
+            if first:
+                self._retire(donor)  # it was waiting for a node, with nothing else to run
+            elif running:
+                self._schedule()
+        elif donor_ended is not None:  # the donor's exit left the task to this call
+            self._exit_of(donor, placement, True, donor_ended, False, donor.handover_failed)
+        self._send(pod, sequence, [placement], queued=False, started=True)
+
     def _retire(self, pod: WarmPod) -> None:
         logger.debug("Retiring idle warm pod %s to make room", pod.pod_id)
         pod.backend.cancel(pod.pod_id)
@@ -614,6 +690,28 @@ class WarmPods:
             pod.placement = None
             pod.idle_since = time.monotonic()
         self._schedule()
+
+    def _detach(self, pod: WarmPod, placement: Placement) -> bool:
+        """(Under the lock.) `placement` is no longer the pod's: True if it was its running
+        task, and the pod is idle now (or runs its next queued task)."""
+        if placement in pod.queued:
+            pod.queued.remove(placement)
+            return False
+        if pod.placement is not placement:
+            return False
+        if pod.queued:
+            self._promote(pod, None)
+        else:
+            pod.placement = None
+            pod.idle_since = time.monotonic()
+        return True
+
+    def _release(self, pod: WarmPod, placement: Placement) -> None:
+        """`placement` was taken back from the pod: the pod skips it."""
+        with self._lock:
+            running = self._detach(pod, placement)
+        if running:
+            self._schedule()
 
     def _forget(self, pod: WarmPod) -> None:
         with self._lock:
@@ -625,20 +723,21 @@ class WarmPods:
 
     def _pod_exited(self, pod: WarmPod, outcome: PodExit) -> None:
         with self._lock:
+            pod.exit_outcome = outcome
             placement, queued, accepted = pod.placement, pod.queued, pod.accepted
             deadline_hit, handover_failed = pod.deadline_hit, pod.handover_failed
             pod.placement, pod.queued = None, []
+            # A task being taken back for another pod is left to `_take`.
+            if placement is not None and placement.moving:
+                placement = None
+            queued = [task for task in queued if not task.moving]
         self._forget(pod)
         if placement is not None:
             accepted = accepted or took_task(pod, placement.launch.job_id)
             self._exit_of(pod, placement, accepted, outcome, deadline_hit, handover_failed)
-        # The pod takes its queued tasks in order, each named in the report of the one before.
-        before = placement.launch.job_id if placement is not None else None
-        taken = accepted or placement is None
         for task in queued:
-            taken = taken and took_task(pod, task.launch.job_id, before)
+            taken = took_task(pod, task.launch.job_id)
             self._exit_of(pod, task, taken, outcome, False, handover_failed)
-            before = task.launch.job_id
         self._schedule()
 
     def _exit_of(
@@ -657,6 +756,9 @@ class WarmPods:
             logger.info(
                 "Warm pod %s ended before taking %s; placing it again", pod.pod_id, launch.job_id
             )
+            if placement.kept:  # the runner's claim named that pod: the next pod claims it
+                placement.kept = False
+                placement.store.delete_prefix(layout.job_file(launch.job_id, WARM_POD_JSON))
             placement.post(launch, Unstarted(launch.job_id))
             with self._lock:
                 if not self._closed:
@@ -753,7 +855,12 @@ class WarmPods:
             with self._lock:
                 if self._closed:
                     return
-                busy = [(p, p.placement) for p in self._pods if p.placement is not None]
+                # A task being taken for another pod has no end to look for yet.
+                busy = [
+                    (p, p.placement)
+                    for p in self._pods
+                    if p.placement is not None and not p.placement.moving
+                ]
             if not busy:
                 self._wake.wait()
                 self._wake.clear()

@@ -125,22 +125,12 @@ def test_a_small_payload_travels_in_its_assignment_and_a_large_one_through_the_s
     assert [length for _, (length, _) in ran] == [1, 2, large]
     assert len({pid for _, (_, pid) in ran}) == 1  # one warm pod ran all three
     jobs = workdir / ".kinetic" / "kinetic"
-    # The first job started the pod (which is named after it). Each later task was handed
-    # to the pod while it ran the one before, and the pod took it as it reported that one:
-    # the report names it, and no `warm-pod.json` was written. Only the first payload and
-    # the large one have an object.
+    # The first job started the pod (which is named after it). The pod claimed every task,
+    # its first one included, before it ran it. Only the first payload and the large one
+    # have an object.
     (first,) = [path.parent.parent.name for path in jobs.glob("*/warm/assign-1.json")]
-    # Each later task was accepted: named in the report of the task before it (the pod
-    # had it then) or, when the pod was idle as it was handed, by its warm-pod.json.
-    named = {
-        r["next_job"]
-        for r in (json.loads((jobs / j / "final-state.json").read_text()) for j, _ in ran)
-    } - {None}
-    answered = {p.parent.name for p in jobs.glob(f"*/{layout.WARM_POD_JSON}")}
-    for job_id in answered:
+    for job_id, _ in ran:
         assert json.loads((jobs / job_id / layout.WARM_POD_JSON).read_text())["pod"] == first
-    assert sorted(named | answered) == sorted(j for j, _ in ran if j != first)
-    assert not named & answered
     for job_id, (length, _) in ran:
         uploaded = (jobs / job_id / layout.PAYLOAD_FILE).exists()
         assert uploaded == (job_id == first or length == large), (job_id, length)
@@ -307,14 +297,14 @@ def test_a_pod_that_dies_while_the_store_cannot_say_whether_it_took_its_task_cra
 ):
     from kinetic_prefect.common.storage import LocalStore
 
-    exists = LocalStore.exists
+    get_bytes = LocalStore.get_bytes
 
-    def unreadable_acceptance(self: LocalStore, key: str) -> bool:
+    def unreadable_claim(self: LocalStore, key: str) -> bytes:
         if key.endswith(f"/{layout.WARM_POD_JSON}"):
             raise OSError("the store did not answer")
-        return exists(self, key)
+        return get_bytes(self, key)
 
-    monkeypatch.setattr(LocalStore, "exists", unreadable_acceptance)
+    monkeypatch.setattr(LocalStore, "get_bytes", unreadable_claim)
 
     @flow(task_runner=KineticTaskRunner(warm_pods=True, max_parallel=1))
     def run() -> tuple[str | None, int]:
@@ -397,14 +387,50 @@ def test_tasks_waiting_for_a_busy_pod_go_to_it_in_a_batch_and_each_is_taken_with
     assert batches[0] == [job_ids[0]]
     assert sorted(sum(batches[1:], [])) == sorted(job_ids[1:])
     assert max(len(batch) for batch in batches) > 1, batches
-    # The pod accepted each task once: as it reported the task before (always so for the
-    # second and later tasks of a batch) or, if it was idle then, by its warm-pod.json.
+    # The pod claimed each task; it took the second and later tasks of a batch as it
+    # reported the task before, and named them in that report.
     reports = [json.loads((jobs / job_id / "final-state.json").read_text()) for job_id in job_ids]
     named = {r["next_job"] for r in reports} - {None}
-    answered = {p.parent.name for p in jobs.glob(f"*/{layout.WARM_POD_JSON}")}
-    assert sorted(named | answered) == sorted(job_ids)
-    assert not named & answered
+    claims = [json.loads((jobs / j / layout.WARM_POD_JSON).read_text()) for j in job_ids]
+    assert {claim["pod"] for claim in claims} == {warm_dir.parent.name}
     assert {job_id for batch in batches for job_id in batch[1:]} <= named
+
+
+def test_a_task_queued_behind_a_long_task_runs_on_the_first_pod_that_frees_up(workdir):
+    gate, other_gate = workdir / "gate", workdir / "other-gate"
+
+    @flow(task_runner=KineticTaskRunner(warm_pods=True, max_parallel=2))
+    def run() -> tuple[dict[str, Any], str, str, str, bool]:
+        note_environment.submit(0).wait()  # pod A, idle
+        gated = wait_for_gate.submit(str(gate))  # runs on A until the gate opens
+        wait_for_task_run_state(gated.task_run_id, "RUNNING")
+        other = wait_for_gate.submit(str(other_gate))  # starts pod B
+        wait_for_task_run_state(other.task_run_id, "RUNNING")
+        # Both pods busy and no room for a third: queued on A, the pod that has ended a
+        # task (B has not yet).
+        queued = note_environment.submit(2)
+        jobs = workdir / ".kinetic" / "kinetic"
+        wait_until(lambda: list(jobs.glob("*/warm/assign-2.json")), 30, "the hand-over to A")
+        other_gate.touch()  # B ends its task and is idle
+        queued.wait(timeout=60)
+        still_gated = queued.state.is_final() and not gated.state.is_final()
+        gate.touch()
+        return queued.result(), queued.job_id, other.job_id, gated.job_id, still_gated
+
+    result, queued_job, pod_b, gated_job, still_gated = run()
+
+    # It ran on B while A still ran its long task, and it ran once.
+    assert still_gated
+    assert _pod_with_pid(workdir, result["pid"]).job_id == pod_b
+    jobs = workdir / ".kinetic" / "kinetic"
+    (handed_to_a,) = jobs.glob("*/warm/assign-2.json")
+    assert queued_job in handed_to_a.read_text()
+    claim = json.loads((jobs / queued_job / layout.WARM_POD_JSON).read_text())
+    assert claim["pod"] == pod_b
+    pod_a = handed_to_a.parent.parent.name
+    assert f"job {queued_job} was taken back" in (workdir / ".kinetic" / "pods").joinpath(
+        f"{pod_a}.log"
+    ).read_text()
 
 
 def test_a_task_queued_on_a_pod_that_dies_before_taking_it_runs_on_a_fresh_pod_as_attempt_one(

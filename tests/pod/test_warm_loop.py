@@ -6,7 +6,16 @@ from pathlib import Path
 
 import pytest
 
-from kinetic_prefect.common.handover import Assignment, assignment_name, batch_to_json
+from kinetic_prefect.common.handover import (
+    Assignment,
+    assignment_name,
+    batch_to_json,
+    claim,
+    claimant,
+    take_back,
+)
+from kinetic_prefect.common.layout import WARM_POD_JSON
+from kinetic_prefect.common.storage import LocalStore
 from kinetic_prefect.pod import warm
 
 
@@ -51,7 +60,7 @@ def test_an_idle_pod_looks_less_often_as_it_idles_and_once_more_at_its_idle_time
 ):
     loop, looks = _counting_loop(tmp_path, 60.0, monkeypatch)
 
-    assert loop._wait_for(assignment_name(1)) is None
+    assert loop.wait_for_assignment() is None
 
     # Every 0.5 s for a bucket at first; 120 looks in 60 s at that pace.
     assert looks[1] - looks[0] == pytest.approx(0.5, rel=0.2)
@@ -64,17 +73,55 @@ def test_an_assignment_written_late_in_the_idle_time_is_found_before_the_pod_end
     tmp_path: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch
 ):
     loop, looks = _counting_loop(tmp_path, 60.0, monkeypatch)
-    task = Assignment(
-        job_id="kp-job",
+    task = _task(tmp_path, "kp-job")
+    name = assignment_name(1)
+    clock.due.append((59.5, lambda: (tmp_path / name).write_bytes(batch_to_json([task]))))
+
+    assert loop.wait_for_assignment() == task
+    assert looks[-1] <= 60.0
+
+
+def _task(tmp_path: Path, job_id: str) -> Assignment:
+    return Assignment(
+        job_id=job_id,
         task_run_id="run",
-        job_dir="gs://b/kinetic/kp-job",
+        job_dir=str(tmp_path / "kinetic" / job_id),
         payload="",
         payload_sha256="",
         context="",
         context_sha256="",
     )
-    name = assignment_name(1)
-    clock.due.append((59.5, lambda: (tmp_path / name).write_bytes(batch_to_json([task]))))
 
-    assert loop._wait_for(name) == batch_to_json([task])
-    assert looks[-1] <= 60.0
+
+def test_a_pod_claims_each_task_and_skips_one_the_runner_took_back(
+    tmp_path: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch
+):
+    loop, _ = _counting_loop(tmp_path, 60.0, monkeypatch)
+    loop.pod_id = "kp-pod"
+    batch = [_task(tmp_path, f"kp-{i}") for i in range(3)]
+    (tmp_path / assignment_name(1)).write_bytes(batch_to_json(batch))
+    store = LocalStore(tmp_path / "kinetic")
+    assert take_back(store, f"kp-1/{WARM_POD_JSON}", "kp-other", 1)
+
+    assert loop.take_next() == "kp-0"
+    assert loop.wait_for_assignment() == batch[0]
+    assert loop.take_next() == "kp-2"  # kp-1 is kept for another pod
+    assert claimant(store, f"kp-0/{WARM_POD_JSON}") == "kp-pod"
+    assert claimant(store, f"kp-1/{WARM_POD_JSON}") is None
+    assert claimant(store, f"kp-2/{WARM_POD_JSON}") == "kp-pod"
+    # The pod the runner kept it for claims it over the runner's claim.
+    assert claim(store, f"kp-1/{WARM_POD_JSON}", "kp-other", 1)
+    assert claimant(store, f"kp-1/{WARM_POD_JSON}") == "kp-other"
+    assert not claim(store, f"kp-1/{WARM_POD_JSON}", "kp-pod", 1)
+
+
+def test_a_claim_has_one_winner_and_the_runner_cancels_only_what_no_pod_took(tmp_path: Path):
+    store = LocalStore(tmp_path)
+    assert claim(store, "a/warm-pod.json", "kp-1", 0)
+    assert claim(store, "a/warm-pod.json", "kp-1", 0)  # its own claim, again
+    assert not claim(store, "a/warm-pod.json", "kp-2", 0)
+    assert not take_back(store, "a/warm-pod.json", "", 0)
+    assert take_back(store, "b/warm-pod.json", "", 0)
+    assert take_back(store, "b/warm-pod.json", "", 0)  # the runner's own, again
+    assert not claim(store, "b/warm-pod.json", "kp-1", 0)
+    assert claimant(store, "b/warm-pod.json") is None

@@ -16,7 +16,7 @@ from kinetic_prefect.common.environment_records import (
     EnvironmentSpec,
     WheelEntry,
 )
-from kinetic_prefect.common.handover import Acceptance, Assignment, batch_from_json, batch_to_json
+from kinetic_prefect.common.handover import Assignment, Claim, batch_from_json, batch_to_json
 from kinetic_prefect.common.lease import LeaseRecord
 from kinetic_prefect.common.records import FinalRecord, ResultSeal
 from kinetic_prefect.data.marker import DataMarker
@@ -49,7 +49,7 @@ RECORDS: list[Record] = [
         env={"A": "1"},
         payload_inline="cGF5bG9hZA==",
     ),
-    Acceptance(pod="kp-pod", sequence=2),
+    Claim(pod="kp-pod", sequence=2, by_runner=True),
     DataMarker(sha256="3" * 64, content="dir", files=[("a/b.txt", 4, "4" * 64)]),
     LocalPodRecord(job_id="kp-1", labels={"l": "v"}, launched_at=2.0, pid=7, exit_code=0),
     EnvironmentSpec(

@@ -163,23 +163,75 @@ ROWS = {
         1,
         Plan(),
     ),
-    "an idle pod nobody wants ends for a pod of its spec waiting for capacity": (
-        [idle("p1"), busy("p2", capacity_wait=True)],
+    "an idle pod nobody wants takes the task of a pod of its spec waiting for capacity": (
+        [idle("p1"), busy("p2", capacity_wait=True, takeable=1)],
         [],
         None,
-        Plan(retire=("p1",), given_a_node=("p2",)),
+        Plan(take=(("p1", "p2"),)),
     ),
     "an idle pod whose spec is wanted stays (it takes the attempt)": (
-        [idle("p1"), busy("p2", capacity_wait=True)],
+        [idle("p1"), busy("p2", capacity_wait=True, takeable=1)],
         wait("j1"),
         None,
         Plan(hand=(("p1", "j1"),)),
     ),
-    "a pod waiting for capacity is given one node only": (
-        [idle("p1"), idle("p3"), busy("p2", capacity_wait=True)],
+    "a pod waiting for capacity gives its task to one idle pod only": (
+        [idle("p1"), idle("p3"), busy("p2", capacity_wait=True, takeable=1)],
         [],
         None,
-        Plan(retire=("p1",), given_a_node=("p2",)),
+        Plan(take=(("p1", "p2"),)),
+    ),
+    "a task a pod waiting for capacity has claimed stays (it started)": (
+        [idle("p1"), busy("p2", capacity_wait=True)],
+        [],
+        None,
+        Plan(),
+    ),
+    "an idle pod takes a queued task of a busy pod of its spec": (
+        [idle("p1"), busy("p2", proven=True, queued=2, takeable=2)],
+        [],
+        None,
+        Plan(take=(("p1", "p2"),)),
+    ),
+    "idle pods take from the longest queue first, one task each": (
+        [
+            idle("p1"),
+            idle("p2"),
+            idle("p3"),
+            busy("b1", proven=True, queued=1, takeable=1),
+            busy("b2", proven=True, queued=3, takeable=3),
+        ],
+        [],
+        None,
+        Plan(take=(("p1", "b2"), ("p2", "b2"), ("p3", "b1"))),
+    ),
+    "of equal queues, the one behind the task that has run longest": (
+        [
+            idle("p1"),
+            busy("b1", since=950.0, proven=True, queued=2, takeable=2),
+            busy("b2", since=900.0, proven=True, queued=2, takeable=2),
+        ],
+        [],
+        None,
+        Plan(take=(("p1", "b2"),)),
+    ),
+    "queued tasks the pod has claimed stay": (
+        [idle("p1"), busy("p2", proven=True, queued=2)],
+        [],
+        None,
+        Plan(),
+    ),
+    "an idle pod takes nothing of another spec": (
+        [idle("p1", key="b"), busy("p2", proven=True, queued=2, takeable=2)],
+        [],
+        None,
+        Plan(),
+    ),
+    "an idle pod about to idle out takes nothing": (
+        [idle("p1", since=950.0), busy("p2", proven=True, queued=2, takeable=2)],
+        [],
+        None,
+        Plan(),
     ),
 }
 
