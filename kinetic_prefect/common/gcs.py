@@ -295,21 +295,23 @@ class GcsStore:
             self.uploads += 1
         return self.uri(key)
 
-    def put_if_absent(self, key: str, data: bytes) -> bool:
-        """Write the object only if there is none (`ifGenerationMatch=0`): True if this call
-        created it. A retried request whose first try landed is refused by GCS as well;
-        the object then holds exactly `data`, which tells the two apart."""
+    def put_if_absent(self, key: str, data: bytes) -> bytes | None:
+        """Write the object only if there is none (`ifGenerationMatch=0`): None if this call
+        created it, else the object that is there. A retried request whose first try
+        landed is refused by GCS as well; the object then holds exactly `data`, which
+        tells the two apart."""
         from google.api_core.exceptions import PreconditionFailed
         from google.cloud.storage.retry import DEFAULT_RETRY
 
         try:
             self._blob(key).upload_from_string(data, if_generation_match=0, retry=DEFAULT_RETRY)
         except PreconditionFailed:
-            return self.get_bytes(key) == data
+            there = self.get_bytes(key)
+            return None if there == data else there
         with self._counters:
             self.bytes_uploaded += len(data)
             self.uploads += 1
-        return True
+        return None
 
     def get_bytes(self, key: str) -> bytes:
         """The object's bytes; `FileNotFoundError` when there is none, as in `LocalStore`."""

@@ -121,9 +121,10 @@ def claim(store: JobsStore, key: str, pod_id: str, sequence: int) -> bool:
     if it is the pod's now, False if the runner took it back for another pod or for none.
     Raises if the store cannot say."""
     mine = Claim(pod=pod_id, sequence=sequence)
-    if store.put_if_absent(key, mine.encode()):
+    found = store.put_if_absent(key, mine.encode())
+    if found is None:
         return True
-    there = Claim.decode(store.get_bytes(key), store.uri(key))
+    there = Claim.decode(found, store.uri(key))
     if there.pod != pod_id:
         return False
     if there.by_runner:  # kept for this pod by the runner: now it takes it
@@ -135,9 +136,10 @@ def take_back(store: JobsStore, key: str, for_pod: str, sequence: int) -> bool:
     """As the runner, keep the task whose `warm-pod.json` is `key` for the pod `for_pod`
     (for none: ""): True unless a pod has claimed it. Raises if the store cannot say."""
     kept = Claim(pod=for_pod, sequence=sequence, by_runner=True)
-    if store.put_if_absent(key, kept.encode()):
+    found = store.put_if_absent(key, kept.encode())
+    if found is None:
         return True
-    there = Claim.decode(store.get_bytes(key), store.uri(key))
+    there = Claim.decode(found, store.uri(key))
     return there.by_runner and there.pod == for_pod
 
 

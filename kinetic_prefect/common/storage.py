@@ -27,7 +27,7 @@ class JobsStore(Protocol):
     def uri(self, key: str) -> str: ...
     def put_bytes(self, key: str, data: bytes) -> str: ...
     def put_stream(self, key: str, stream: BinaryIO, size: int) -> str: ...
-    def put_if_absent(self, key: str, data: bytes) -> bool: ...
+    def put_if_absent(self, key: str, data: bytes) -> bytes | None: ...
     def get_bytes(self, key: str) -> bytes: ...
     def get_file(self, key: str, destination: Path) -> None: ...
     def exists(self, key: str) -> bool: ...
@@ -69,9 +69,10 @@ class LocalStore:
         self.bytes_uploaded += size
         return str(path)
 
-    def put_if_absent(self, key: str, data: bytes) -> bool:
-        """Write the object only if there is none (True), in one step: a reader never sees
-        it half written, and of two writers exactly one gets True."""
+    def put_if_absent(self, key: str, data: bytes) -> bytes | None:
+        """Write the object only if there is none, in one step: None if this call wrote it,
+        else the object that is there. A reader never sees it half written, and of two
+        writers exactly one gets None."""
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=_PARTIAL)
@@ -80,11 +81,11 @@ class LocalStore:
                 handle.write(data)
             os.link(tmp, path)  # fails if `path` exists, unlike a rename
         except FileExistsError:
-            return False
+            return path.read_bytes()
         finally:
             Path(tmp).unlink(missing_ok=True)
         self.bytes_uploaded += len(data)
-        return True
+        return None
 
     def get_bytes(self, key: str) -> bytes:
         return self._path(key).read_bytes()
@@ -155,9 +156,3 @@ def write_uri(uri: str, data: bytes) -> str:
     """Write one artifact by its full URI."""
     store, key = split_uri(uri)
     return store.put_bytes(key, data)
-
-
-def create_uri(uri: str, data: bytes) -> bool:
-    """Write one artifact by its full URI unless it exists (`JobsStore.put_if_absent`)."""
-    store, key = split_uri(uri)
-    return store.put_if_absent(key, data)

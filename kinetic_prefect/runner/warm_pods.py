@@ -16,7 +16,10 @@ it is queued on a busy pod of its spec that has ended a task before (it runs) an
 has nothing queued: the waiting tasks of the spec shared among its busy pods, up to
 `handover.MAX_BATCH` to a pod, go in one assignment, written at once. The pod takes
 its next task as it reports the one before, without a look at the store in between.
-A queued task waits for its pod's tasks before it, even if another pod frees up first.
+A pod claims each task before it runs it (`handover.Claim`), so the runner can take
+back a task no pod has claimed: an idle pod with nothing of its spec waiting takes the
+last queued task of the busy pod of its spec with the longest queue, or the first
+task of a pod of its spec still waiting for a node (that pod ends).
 
 The runner learns that a task ended from its final record in its own
 `kinetic/{job_id}/` dir, or from the pod's exit. On a bucket it reads the record once
@@ -26,7 +29,7 @@ that, every `warm_direct_look_seconds` at first and less often as a task goes on
 can end without a final state: the pod failed before the engine ran; such a pod also
 exits), and for every busy pod while the API has not answered within
 `warm_api_wait_seconds` (docs/intervals.md). On a local jobs dir each look reads the records.
-A pod that exits with a task it never accepted (it idled out just as the task
+A pod that exits with a task it never claimed (it idled out just as the task
 was handed to it, or died with a task queued) gives the task back: it is placed
 again, on a fresh pod if need be, without touching the retry budget. Any other
 exit is the task's, exactly as for a cold pod. `max_parallel` counts warm pods,
@@ -37,9 +40,6 @@ Finite capacity. No new pod of a spec starts while one of them waits for capacit
 (nodes of its kind busy): the task runs waiting for a pod go to the pods that run.
 Without `max_parallel`, new pods of a spec also start in a slow start: at most as
 many pods that have not yet ended a task as pods that have (and at least `warm_policy.RAMP`).
-A pod idle with nothing of its spec waiting, while another pod of its spec waits for
-capacity, ends at once and gives its node to that pod, whose task would otherwise
-wait for the idle pod's idle time.
 """
 
 from __future__ import annotations
@@ -576,7 +576,7 @@ class WarmPods:
             if current is not None:
                 current.launch.in_context(current.on_pending, current.launch, reason)
             if started_waiting:
-                self._schedule()  # an idle pod of its spec may give it its node
+                self._schedule()  # an idle pod of its spec may take its task
 
         try:
             if placement.payload is not None:  # the Job's arguments name it

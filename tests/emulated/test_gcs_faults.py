@@ -51,3 +51,18 @@ def test_uploads_result_writes_and_checkpoints_survive_one_503_in_five(gcs, faul
     assert fault_proxy.injected >= 5
     assert len(gcs.names("results/")) >= 1
     assert len(gcs.names("outputs/")) >= 1
+
+
+def test_a_write_if_absent_whose_answer_was_lost_is_still_its_writers(gcs, fault_proxy):
+    """A warm pod's claim lands, its answer is lost and the retry is refused (412): the
+    claim is still the pod's, and a second writer gets the first one's bytes."""
+    from kinetic_prefect.common.gcs import GcsStore
+
+    fault_proxy.every = None
+    fault_proxy.lose_uploads = 1
+    store = GcsStore(f"{gcs.uri}/jobs")
+
+    assert store.put_if_absent("kinetic/kp-1/warm-pod.json", b"first") is None
+    assert fault_proxy.lost == 1
+    assert store.put_if_absent("kinetic/kp-1/warm-pod.json", b"second") == b"first"
+    assert store.get_bytes("kinetic/kp-1/warm-pod.json") == b"first"

@@ -428,9 +428,10 @@ def test_a_task_queued_behind_a_long_task_runs_on_the_first_pod_that_frees_up(wo
     claim = json.loads((jobs / queued_job / layout.WARM_POD_JSON).read_text())
     assert claim["pod"] == pod_b
     pod_a = handed_to_a.parent.parent.name
-    assert f"job {queued_job} was taken back" in (workdir / ".kinetic" / "pods").joinpath(
-        f"{pod_a}.log"
-    ).read_text()
+    assert (
+        f"job {queued_job} was taken back"
+        in (workdir / ".kinetic" / "pods").joinpath(f"{pod_a}.log").read_text()
+    )
 
 
 def test_a_task_queued_on_a_pod_that_dies_before_taking_it_runs_on_a_fresh_pod_as_attempt_one(

@@ -89,7 +89,8 @@ class FaultInjectingProxy:
     that many bytes of its body, then the connection is reset (a TCP RST, as a client
     sees a connection lost mid-body); `resets` counts it. `ranges` lists the Range
     headers of the requests, in order. `uploaded` lists the object names of the uploads
-    that went through, in order.
+    that went through, in order. With `lose_uploads` set to N, the next N uploads reach
+    the server and their client gets a 503 instead of the answer (`lost` counts them).
     """
 
     def __init__(
@@ -103,6 +104,8 @@ class FaultInjectingProxy:
         self.requests = 0
         self.injected = 0
         self.uploaded: list[str] = []
+        self.lose_uploads = 0
+        self.lost = 0
         self._lock = threading.Lock()
         proxy = self
 
@@ -139,6 +142,15 @@ class FaultInjectingProxy:
                 if self.path.startswith("/upload/") and response.status == 200:
                     with proxy._lock:
                         proxy.uploaded.append(json.loads(data)["name"])
+                        lose = proxy.lose_uploads > 0
+                        proxy.lose_uploads -= lose
+                        proxy.lost += lose
+                    if lose:
+                        self.send_response(503)
+                        self.send_header("Content-Length", "0")
+                        self.end_headers()
+                        connection.close()
+                        return
                 self.send_response(response.status)
                 for key, value in response.getheaders():
                     if key.lower() not in _HOP_BY_HOP and key.lower() != "content-length":
