@@ -175,15 +175,18 @@ class ClusterJobs:
 
 
 def warm_pod_for(store: JobsStore | None, job_id: str) -> str | None:
-    """The warm pod that took job `job_id` after its first task (its `warm-pod.json`), if one
-    did; None for a pod's own first task."""
+    """The warm pod that claimed job `job_id` after its first task (its `warm-pod.json`),
+    if one did."""
     from kinetic_prefect.common.handover import claimant
     from kinetic_prefect.common.layout import WARM_POD_JSON
+    from kinetic_prefect.errors import RecordError
 
     if store is None:
         return None
-    pod = claimant(store, layout.job_file(job_id, WARM_POD_JSON))
-    return None if pod == job_id else pod
+    try:
+        return claimant(store, layout.job_file(job_id, WARM_POD_JSON))
+    except RecordError:  # written by an older release: the pod's whole log is shown
+        return None
 
 
 async def task_log(

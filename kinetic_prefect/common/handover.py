@@ -7,17 +7,16 @@ payload inline when it is small (else its URI) and the env that differs from the
 pod's own. The runner writes a batch (up to `MAX_BATCH` tasks) while the pod still
 runs its task when every pod of the spec is busy; to an idle pod it hands one task.
 
-Every task a warm pod runs is claimed before anything of it runs: the pod writes the
-task's `warm-pod.json` (`Claim`, `common.layout.WARM_POD_JSON`) only if there is none,
-and runs the task only if the claim names it. That includes the first task, which came
-in the Job's arguments. So the runner can take back a task no pod has started, by
-writing the claim first: to give a pod's queued task, or the first task of a pod still
-waiting for a node, to an idle pod of its spec (which then claims it over the
-runner's), or to cancel it without ending the pod. A pod that exits has run
-exactly the tasks whose claim names it, and `kinetic-prefect jobs logs` finds a
-task's warm pod the same way. A pod that has its next task as it reports a task also
-names it in that task's final record (`FinalRecord.next_job`), which tells the runner
-that the task started.
+Every task a warm pod is handed after its first one (which came in the Job's
+arguments) is claimed before anything of it runs: the pod writes the task's
+`warm-pod.json` (`Claim`, `common.layout.WARM_POD_JSON`) only if there is none, and
+runs the task only if the claim names it. So the runner can take back a task no pod
+has started, by writing the claim first: to give a busy pod's queued task to an idle
+pod of its spec (which then claims it over the runner's claim), or to cancel it
+without ending the pod. A pod that exits has run exactly the handed tasks whose claim
+names it, and `kinetic-prefect jobs logs` finds a task's warm pod the same way. A pod
+that has its next task as it reports a task also names it in that task's final record
+(`FinalRecord.next_job`), which tells the runner that the task started.
 """
 
 from __future__ import annotations
@@ -112,7 +111,7 @@ class Claim(Record):
     kind: Literal["warm-claim"] = "warm-claim"
     version: int = 1
     pod: str
-    sequence: int  # the assignment it came in (0: the Job's own first task)
+    sequence: int  # the assignment it came in
     by_runner: bool = False
 
 
@@ -132,15 +131,16 @@ def claim(store: JobsStore, key: str, pod_id: str, sequence: int) -> bool:
     return True
 
 
-def take_back(store: JobsStore, key: str, for_pod: str, sequence: int) -> bool:
+def take_back(store: JobsStore, key: str, for_pod: str, sequence: int) -> Claim | None:
     """As the runner, keep the task whose `warm-pod.json` is `key` for the pod `for_pod`
-    (for none: ""): True unless a pod has claimed it. Raises if the store cannot say."""
+    (for none: ""): None if it is kept so now, else the claim that is there (a pod's, or
+    an earlier one of the runner's). Raises if the store cannot say."""
     kept = Claim(pod=for_pod, sequence=sequence, by_runner=True)
     found = store.put_if_absent(key, kept.encode())
     if found is None:
-        return True
+        return None
     there = Claim.decode(found, store.uri(key))
-    return there.by_runner and there.pod == for_pod
+    return None if there == kept else there
 
 
 def claimant(store: JobsStore, key: str) -> str | None:

@@ -5,7 +5,7 @@ The jobs store is one prefix, `gs://{jobs bucket}/...` on gke or `.kinetic/` loc
     kinetic/{job_id}/payload.pkl         the pickled task run (one per attempt)
     kinetic/{job_id}/final-state.json    the pod's signed word on how it ended (and its Prefect
                                          state, when the task ran), written last
-    kinetic/{job_id}/warm-pod.json       the warm pod that took this job's task (its acceptance)
+    kinetic/{job_id}/warm-pod.json       the warm pod that claimed this job's task (or the runner)
     kinetic/{pod_id}/warm/assign-{n}.json   hand-overs to a warm pod
     code-cache/{sha256}.zip, .done       code archives, shared by every job with that code
     data-cache/{sha256}/...              local `Data`, one object per file

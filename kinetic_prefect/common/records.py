@@ -66,7 +66,7 @@ class FinalRecord(SignedRecord):
     # That record's bytes (base64) when at most INLINE_RESULT_BYTES.
     result_record: str | None = None
     # A warm pod: the job of the next assignment, when it took it before this report
-    # (its acceptance of that task; see common.handover).
+    # (it has claimed that task; see common.handover).
     next_job: str | None = None
 
     def carry_state(self, pickled: bytes) -> bool:

@@ -2,8 +2,8 @@
 
 The hand-over goes through the jobs store (`kinetic_prefect.common.handover`):
 the pod's warm dir (`KINETIC_WARM_DIR`) receives the next assignment, a batch of
-tasks, often while the pod still runs its task. The pod claims each task, its first
-one included, before it touches it, and skips a task the runner took back. As it
+tasks, often while the pod still runs its task. The pod claims each task it is handed
+before it touches it, and skips a task the runner took back. As it
 reports a task, it claims its next one (the rest of its batch, or the first of a batch
 it finds then) and names it in that final record; otherwise it waits for an
 assignment.
@@ -123,12 +123,17 @@ class WarmLoop:
     def take_next(self) -> str | None:
         """Before the task's report: claim the next task if the pod has it or the runner has
         written it already (the report then names its job)."""
+        self.taken = self._look_again()
+        return self.taken.job_id if self.taken is not None else None
+
+    def _look_again(self) -> Assignment | None:
+        """`_claim_next`, with a store that fails counted as nothing there yet (the claim
+        in hand is claimed again at the next look)."""
         try:
-            self.taken = self._claim_next()
-        except Exception as exc:  # the wait after the report looks again
+            return self._claim_next()
+        except Exception as exc:
             log(f"could not look for the next task: {type(exc).__name__}: {exc}")
             return None
-        return self.taken.job_id if self.taken is not None else None
 
     def wait_for_assignment(self) -> Assignment | None:
         """The next task this pod claims, or None once it has been idle for its idle time.
@@ -143,7 +148,7 @@ class WarmLoop:
         # No look at once: the pod looked just before its report, and the runner hands
         # the next task only after it has read that report.
         time.sleep(base)
-        while (task := self._claim_next()) is None:
+        while (task := self._look_again()) is None:
             now = time.monotonic()
             if now >= deadline:
                 return None
@@ -176,19 +181,16 @@ class WarmLoop:
         run.send_telemetry_before_report = True
         run.take_next = self.take_next
         assignment: Assignment | None = None
-        # The first task came in the Job's arguments; the runner may have taken it back.
-        mine = self.claims(run.job_dir, self.pod_id, 0)
         while True:
-            if mine:
-                code, state = self._run_one(run, assignment)
-                if code == EXIT_PHASE_FAILED or (state is not None and state.is_crashed()):
-                    log("ending this warm pod: its last task did not end cleanly")
-                    return code
+            code, state = self._run_one(run, assignment)
+            if code == EXIT_PHASE_FAILED or (state is not None and state.is_crashed()):
+                log("ending this warm pod: its last task did not end cleanly")
+                return code
             assignment = self.wait_for_assignment()
             if assignment is None:
                 log(f"idle for {self.idle_seconds:g}s: ending this warm pod")
                 return EXIT_COMPLETED
-            run, mine = self._next_run(run, assignment), True
+            run = self._next_run(run, assignment)
 
     def _run_one(self, run: PodRun, assignment: Assignment | None) -> tuple[int, Any]:
         """One task run between the log's begin and end marks, in its own environment."""

@@ -192,6 +192,7 @@ class WarmPod:
     ended: bool = False
     proven: bool = False  # it ended a task: it runs
     capacity_wait: bool = False  # not yet running: the nodes of its kind are busy
+    given_a_node: bool = False  # an idle pod of its spec ended to make room for it
 
     busy_since: float = 0.0
     next_check: float = 0.0
@@ -237,18 +238,14 @@ class WarmPod:
             leaving=self.retiring or self.ended,
             ended=self.ended,
             capacity_wait=self.capacity_wait,
+            given_a_node=self.given_a_node,
             handover_failed=self.handover_failed,
             takeable=len(self.takeable()),
         )
 
     def takeable(self) -> list[Placement]:
-        """Its tasks another pod may take: those queued, or the first task while the pod
-        waits for a node, as long as it is not known to have claimed them."""
-        if self.capacity_wait and not self.proven and self.current == 0:
-            tasks = [self.placement] if self.placement is not None else []
-        else:
-            tasks = self.queued
-        return [task for task in tasks if not (task.claimed or task.moving)]
+        """Its queued tasks another pod may take: those it is not known to have claimed."""
+        return [task for task in self.queued if not (task.claimed or task.moving)]
 
 
 def capacity(backend: Backend) -> int | None:
@@ -308,16 +305,12 @@ def took_task(pod: WarmPod, job_id: str) -> bool:
         return True
 
 
-def take_back(placement: Placement, for_pod: str = "", sequence: int = 0) -> bool:
+def take_back(placement: Placement, for_pod: str = "", sequence: int = 0) -> warm.Claim | None:
     """Keep `placement`'s task from the pod it was given to, for the pod `for_pod` (its
-    assignment `sequence`), or for none: False if that pod has claimed it, or the store
-    cannot say."""
+    assignment `sequence`), or for none: None if it is kept so now, else the claim there.
+    Raises if the store cannot say."""
     key = layout.job_file(placement.launch.job_id, WARM_POD_JSON)
-    try:
-        return warm.take_back(placement.store, key, for_pod, sequence)
-    except Exception:
-        logger.warning("Could not take back %s", placement.launch.job_id, exc_info=True)
-        return False
+    return warm.take_back(placement.store, key, for_pod, sequence)
 
 
 def task_exit(
@@ -351,9 +344,8 @@ class _Actions:
     batches: list[tuple[WarmPod, int, list[Placement]]] = field(default_factory=list)
     start: list[tuple[WarmPod, Placement]] = field(default_factory=list)
     retire: list[WarmPod] = field(default_factory=list)
-    # (idle pod, its assignment number, the pod the task is taken from, the task, whether
-    # it is that pod's first task: the pod waits for a node)
-    take: list[tuple[WarmPod, int, WarmPod, Placement, bool]] = field(default_factory=list)
+    # (idle pod, its assignment number, the pod the task is taken from, the task)
+    take: list[tuple[WarmPod, int, WarmPod, Placement]] = field(default_factory=list)
 
 
 class WarmPods:
@@ -412,9 +404,17 @@ class WarmPods:
                 if pod is None:
                     return False
                 queued = next(task for task in pod.queued if task.launch is launch)
-        if queued is not None and take_back(queued):
-            self._release(pod, queued)  # the pod skips it when it comes to it
-            return True
+        if queued is not None:
+            try:
+                there = take_back(queued)
+            except Exception:  # the pod may run it: it ends
+                logger.warning("Could not take back %s", launch.job_id, exc_info=True)
+            else:
+                if there is None:
+                    self._release(pod, queued)  # the pod skips it when it comes to it
+                    return True
+                with self._lock:  # the pod that claimed it, or that the runner kept it for
+                    pod = next((p for p in self._pods if p.pod_id == there.pod), pod)
         with self._lock:
             pod.retiring = True
         pod.backend.cancel(pod.pod_id)
@@ -483,17 +483,18 @@ class WarmPods:
             for pod_id in decided.retire:
                 pods[pod_id].retiring = True
                 actions.retire.append(pods[pod_id])
+            for pod_id in decided.given_a_node:
+                pods[pod_id].given_a_node = True
             for pod_id, donor_id in decided.take:
                 pod, donor = pods[pod_id], pods[donor_id]
                 placement = donor.takeable()[-1]
                 placement.moving = True
-                first = donor.placement is placement
                 pod.sequence += 1
                 pod.current = pod.sequence
                 pod.accepted = False
                 pod.idle_since = None
                 self._busy(pod, placement, now)
-                actions.take.append((pod, pod.current, donor, placement, first))
+                actions.take.append((pod, pod.current, donor, placement))
             for pod_id, job_id in decided.hand:
                 pod, placement = pods[pod_id], waiting[job_id]
                 self._waiting.remove(placement)
@@ -532,8 +533,8 @@ class WarmPods:
             self._send(pod, sequence, [placement], queued=False)
         for pod, sequence, batch in actions.batches:
             self._send(pod, sequence, batch, queued=True)
-        for pod, sequence, donor, placement, first in actions.take:
-            self._take(pod, sequence, donor, placement, first)
+        for pod, sequence, donor, placement in actions.take:
+            self._take(pod, sequence, donor, placement)
 
     def _busy(self, pod: WarmPod, placement: Placement, now: float) -> None:
         pod.placement = placement
@@ -616,9 +617,16 @@ class WarmPods:
         is taken back first, and the pod skips it: every number the pod waits for is
         written. `started`: the tasks were started before (taken from another pod)."""
         for placement in placements:
-            if not (started or self._post_started(placement, pod.manifest)):
-                take_back(placement)
-                self._release(pod, placement)
+            if started or self._post_started(placement, pod.manifest):
+                continue
+            try:
+                take_back(placement)  # a claim there already is another (ended) pod's
+            except Exception:
+                # The pod could run a cancelled task: it ends, and its exit gives back the rest.
+                logger.warning("Could not take back %s", placement.launch.job_id, exc_info=True)
+                self._handover_failed(pod)
+                return
+            self._release(pod, placement)
         batch = [task_assignment(pod, placement) for placement in placements]
         try:
             pod.store.put_bytes(
@@ -629,57 +637,61 @@ class WarmPods:
             logger.warning(
                 "Could not hand %s to warm pod %s", [a.job_id for a in batch], pod.pod_id
             )
-            with self._lock:
-                pod.retiring = pod.handover_failed = True
-            pod.backend.cancel(pod.pod_id)
+            self._handover_failed(pod)
             return
         logger.debug("%s went to warm pod %s", [a.job_id for a in batch], pod.pod_id)
         self._watch()
 
-    def _take(
-        self, pod: WarmPod, sequence: int, donor: WarmPod, placement: Placement, first: bool
-    ) -> None:
-        """Give `pod` the task taken from `donor` once the store says the donor has not
-        claimed it; else it stays the donor's, and `pod` reads it and skips it. `first`:
-        the donor's first task, while it waits for a node (it ends)."""
+    def _handover_failed(self, pod: WarmPod) -> None:
+        with self._lock:
+            pod.retiring = pod.handover_failed = True
+        pod.backend.cancel(pod.pod_id)
+
+    def _take(self, pod: WarmPod, sequence: int, donor: WarmPod, placement: Placement) -> None:
+        """Give `pod` the task queued on `donor` once the store says no pod has claimed it;
+        else it stays where it is, and `pod` reads it and skips it."""
         job_id = placement.launch.job_id
+        failed = False
+        there: warm.Claim | None = None
         try:
-            moved: bool | None = warm.take_back(
-                placement.store, layout.job_file(job_id, WARM_POD_JSON), pod.pod_id, sequence
-            )
+            there = take_back(placement, pod.pod_id, sequence)
         except Exception:
             logger.warning("Could not take %s from warm pod %s", job_id, donor.pod_id)
-            moved = None
+            failed = True
+        moved = there is None and not failed
         with self._lock:
             placement.moving = False
-            running = False
+            # A claim of the runner's for `pod` may be there (when the store failed, too):
+            # given back, the task is placed again only without it.
+            placement.kept = there is None
             if moved:
-                placement.kept = True
                 running = self._detach(donor, placement)
-                donor.retiring = donor.retiring or first
             else:
-                if moved is not None:
+                running = False
+                if there is not None and there.pod == donor.pod_id and not there.by_runner:
                     # It claims its tasks in order: it has every one before this one too.
                     for task in [donor.placement, *donor.queued]:
                         if task is not None:
                             task.claimed = True
                 pod.placement = None
                 pod.idle_since = time.monotonic()
-                # The store failed: whether `pod` would find the task unclaimed is unknown.
-                pod.retiring = pod.retiring or moved is None
-            donor_ended = donor.exit_outcome
-        if moved is None:
-            self._retire(pod)  # it has nothing: its number is never written
+                pod.retiring = pod.retiring or failed  # it has nothing: its number is unused
+            donor_ended, pod_ended = donor.exit_outcome, pod.exit_outcome
+        if failed:
+            self._retire(pod)
+        if moved and pod_ended is not None:  # `pod` ended first: the task goes back
+            self._exit_of(pod, placement, False, pod_ended, False, False)
             return
+        if not moved and donor_ended is not None:  # the donor's exit left the task to this call
+            self._exit_of(donor, placement, True, donor_ended, False, donor.handover_failed)
+        elif not moved and placement.launch.cancelled and there is not None:
+            self.cancel(placement.launch)  # cancelled while it moved: end the pod that has it
         if moved:
             logger.debug("%s taken from warm pod %s", job_id, donor.pod_id)
-            if first:
-                self._retire(donor)  # it was waiting for a node, with nothing else to run
-            elif running:
+            if running:
                 self._schedule()
-        elif donor_ended is not None:  # the donor's exit left the task to this call
-            self._exit_of(donor, placement, True, donor_ended, False, donor.handover_failed)
-        self._send(pod, sequence, [placement], queued=False, started=True)
+        if not failed and pod_ended is None:
+            self._send(pod, sequence, [placement], queued=False, started=True)
 
     def _retire(self, pod: WarmPod) -> None:
         logger.debug("Retiring idle warm pod %s to make room", pod.pod_id)
@@ -756,18 +768,32 @@ class WarmPods:
             logger.info(
                 "Warm pod %s ended before taking %s; placing it again", pod.pod_id, launch.job_id
             )
-            if placement.kept:  # the runner's claim named that pod: the next pod claims it
-                placement.kept = False
-                placement.store.delete_prefix(layout.job_file(launch.job_id, WARM_POD_JSON))
-            placement.post(launch, Unstarted(launch.job_id))
-            with self._lock:
-                if not self._closed:
-                    self._waiting.appendleft(placement)
-            return
+            if self._unkeep(placement):
+                placement.claimed = False
+                placement.post(launch, Unstarted(launch.job_id))
+                with self._lock:
+                    if not self._closed:
+                        self._waiting.appendleft(placement)
+                return
+            handover_failed = True  # a new attempt, under a new job, is launched instead
         ended = task_exit(
             outcome, launch, deadline_hit=deadline_hit, handover_failed=handover_failed
         )
         launch.in_context(placement.on_end, launch, ended)
+
+    @staticmethod
+    def _unkeep(placement: Placement) -> bool:
+        """Remove the runner's claim that kept the task for a pod that ended without taking
+        it, so that the next pod can claim it; False if the store failed."""
+        if not placement.kept:
+            return True
+        try:
+            placement.store.delete_prefix(layout.job_file(placement.launch.job_id, WARM_POD_JSON))
+        except Exception:
+            logger.warning("Could not free %s for another pod", placement.launch.job_id)
+            return False
+        placement.kept = False
+        return True
 
     def _task_ended(self, pod: WarmPod, placement: Placement, data: bytes) -> None:
         """The task's final record is there (`data`): resolve it; the pod idles unless it ends."""

@@ -12,9 +12,10 @@ plan out; the rules are the module docstring of `warm_pods`, in this order:
 3. Else it is queued on the busy pod of its spec that has run longest, once that
    pod has ended a task and has nothing queued: the waiting attempts of the spec
    shared among its pods, up to `max_batch` to a pod.
-4. An idle pod of a spec nobody waits for takes back a task no pod has started: the
-   first task of a pod of its spec waiting for capacity (that pod ends), else the
-   last queued task of the busy pod of its spec with the longest queue.
+4. An idle pod of a spec nobody waits for takes the last queued task of the busy
+   pod of its spec with the longest queue, if that pod has not claimed it.
+5. An idle pod of a spec nobody waits for, with nothing to take, ends to give its
+   node to a pod of its spec that waits for capacity.
 """
 
 from __future__ import annotations
@@ -45,9 +46,9 @@ class PodView:
     leaving: bool = False  # retiring or ended: it takes nothing
     ended: bool = False
     capacity_wait: bool = False  # not yet running: the nodes of its kind are busy
+    given_a_node: bool = False
     handover_failed: bool = False
-    # Tasks of the pod that may be taken back for another pod: its queued tasks, or the
-    # first task of a pod waiting for capacity; none once the pod is known to have them.
+    # Queued tasks another pod may take: those the pod is not known to have claimed.
     takeable: int = 0
 
     def usable_for(self, key: str, now: float) -> bool:
@@ -70,7 +71,8 @@ class Plan:
     start: tuple[str, ...] = ()  # job ids that start a pod of their own
     queue: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (busy pod id, job ids)
     retire: tuple[str, ...] = ()  # pod ids that end
-    # (idle pod id, pod id): the idle pod takes back a task of the other pod's (below)
+    given_a_node: tuple[str, ...] = ()  # pods waiting for capacity an idle pod ends for
+    # (idle pod id, busy pod id): the idle pod takes the last queued task of the busy one
     take: tuple[tuple[str, str], ...] = ()
 
 
@@ -165,12 +167,27 @@ def plan(
         donors = [p for p in live.values() if p.key == pod.key and p.takeable and not p.leaving]
         if not donors:
             continue
-        # A task waiting for a node first; else the longest queue, of the pod busy longest.
-        donor = max(donors, key=lambda p: (p.capacity_wait, p.takeable, -p.busy_since))
-        if donor.capacity_wait:  # it ends once its task is taken (not before: it may start)
-            update(donor, takeable=0, leaving=True)
-        else:
-            update(donor, takeable=donor.takeable - 1, queued=donor.queued - 1)
+        # The longest queue; of equal ones, the one behind the task that has run longest.
+        donor = max(donors, key=lambda p: (p.takeable, -p.busy_since))
+        update(donor, takeable=donor.takeable - 1, queued=donor.queued - 1)
         update(pod, busy=True, idle_since=None, busy_since=now)
         take.append((pod.pod_id, donor.pod_id))
-    return Plan(tuple(hand), tuple(start), tuple(queue), tuple(retire), tuple(take))
+
+    given: list[str] = []
+    for pod in list(live.values()):
+        if pod.busy or pod.idle_since is None or pod.key in wanted or pod.leaving:
+            continue
+        starving = next(
+            (
+                p
+                for p in live.values()
+                if p.key == pod.key and p.capacity_wait and not p.given_a_node and not p.ended
+            ),
+            None,
+        )
+        if starving is not None:
+            update(starving, given_a_node=True)
+            update(pod, leaving=True)
+            given.append(starving.pod_id)
+            retire.append(pod.pod_id)
+    return Plan(tuple(hand), tuple(start), tuple(queue), tuple(retire), tuple(given), tuple(take))

@@ -101,7 +101,7 @@ def test_a_pod_claims_each_task_and_skips_one_the_runner_took_back(
     batch = [_task(tmp_path, f"kp-{i}") for i in range(3)]
     (tmp_path / assignment_name(1)).write_bytes(batch_to_json(batch))
     store = LocalStore(tmp_path / "kinetic")
-    assert take_back(store, f"kp-1/{WARM_POD_JSON}", "kp-other", 1)
+    assert take_back(store, f"kp-1/{WARM_POD_JSON}", "kp-other", 1) is None
 
     assert loop.take_next() == "kp-0"
     assert loop.wait_for_assignment() == batch[0]
@@ -120,8 +120,9 @@ def test_a_claim_has_one_winner_and_the_runner_cancels_only_what_no_pod_took(tmp
     assert claim(store, "a/warm-pod.json", "kp-1", 0)
     assert claim(store, "a/warm-pod.json", "kp-1", 0)  # its own claim, again
     assert not claim(store, "a/warm-pod.json", "kp-2", 0)
-    assert not take_back(store, "a/warm-pod.json", "", 0)
-    assert take_back(store, "b/warm-pod.json", "", 0)
-    assert take_back(store, "b/warm-pod.json", "", 0)  # the runner's own, again
+    found = take_back(store, "a/warm-pod.json", "", 0)
+    assert found is not None and found.pod == "kp-1" and not found.by_runner
+    assert take_back(store, "b/warm-pod.json", "", 0) is None
+    assert take_back(store, "b/warm-pod.json", "", 0) is None  # the runner's own, again
     assert not claim(store, "b/warm-pod.json", "kp-1", 0)
     assert claimant(store, "b/warm-pod.json") is None

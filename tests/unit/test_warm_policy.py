@@ -163,29 +163,33 @@ ROWS = {
         1,
         Plan(),
     ),
-    "an idle pod nobody wants takes the task of a pod of its spec waiting for capacity": (
-        [idle("p1"), busy("p2", capacity_wait=True, takeable=1)],
+    "an idle pod nobody wants ends for a pod of its spec waiting for capacity": (
+        [idle("p1"), busy("p2", capacity_wait=True)],
         [],
         None,
-        Plan(take=(("p1", "p2"),)),
+        Plan(retire=("p1",), given_a_node=("p2",)),
     ),
     "an idle pod whose spec is wanted stays (it takes the attempt)": (
-        [idle("p1"), busy("p2", capacity_wait=True, takeable=1)],
+        [idle("p1"), busy("p2", capacity_wait=True)],
         wait("j1"),
         None,
         Plan(hand=(("p1", "j1"),)),
     ),
-    "a pod waiting for capacity gives its task to one idle pod only": (
-        [idle("p1"), idle("p3"), busy("p2", capacity_wait=True, takeable=1)],
+    "a pod waiting for capacity is given one node only": (
+        [idle("p1"), idle("p3"), busy("p2", capacity_wait=True)],
         [],
         None,
-        Plan(take=(("p1", "p2"),)),
+        Plan(retire=("p1",), given_a_node=("p2",)),
     ),
-    "a task a pod waiting for capacity has claimed stays (it started)": (
-        [idle("p1"), busy("p2", capacity_wait=True)],
+    "an idle pod with a queued task to take stays, though a pod waits for capacity": (
+        [
+            idle("p1"),
+            busy("p2", capacity_wait=True),
+            busy("p3", proven=True, queued=1, takeable=1),
+        ],
         [],
         None,
-        Plan(),
+        Plan(take=(("p1", "p3"),)),
     ),
     "an idle pod takes a queued task of a busy pod of its spec": (
         [idle("p1"), busy("p2", proven=True, queued=2, takeable=2)],
