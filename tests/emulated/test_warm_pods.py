@@ -124,12 +124,12 @@ def test_a_small_payload_travels_in_its_assignment_and_a_large_one_through_the_s
     assert [length for _, (length, _) in ran] == [1, 2, large]
     assert len({pid for _, (_, pid) in ran}) == 1  # one warm pod ran all three
     jobs = workdir / ".kinetic" / "kinetic"
-    # The first job started the pod (which is named after it). The pod claimed every task,
-    # its first one included, before it ran it. Only the first payload and the large one
-    # have an object.
+    # The first job started the pod (which is named after it). The pod claimed each later
+    # task before it ran it. Only the first payload and the large one have an object.
     (first,) = [path.parent.parent.name for path in jobs.glob("*/warm/assign-1.json")]
-    for job_id, _ in ran:
+    for job_id in [j for j, _ in ran if j != first]:
         assert json.loads((jobs / job_id / layout.WARM_POD_JSON).read_text())["pod"] == first
+    assert not (jobs / first / layout.WARM_POD_JSON).exists()
     for job_id, (length, _) in ran:
         uploaded = (jobs / job_id / layout.PAYLOAD_FILE).exists()
         assert uploaded == (job_id == first or length == large), (job_id, length)
@@ -399,7 +399,7 @@ def test_a_task_queued_behind_a_long_task_runs_on_the_first_pod_that_frees_up(wo
     gate, other_gate = workdir / "gate", workdir / "other-gate"
 
     @flow(task_runner=KineticTaskRunner(warm_pods=True, max_parallel=2))
-    def run() -> tuple[dict[str, Any], str, str, str, bool]:
+    def run() -> tuple[dict[str, Any], str, str, bool]:
         note_environment.submit(0).wait()  # pod A, idle
         gated = wait_for_gate.submit(str(gate))  # runs on A until the gate opens
         wait_for_task_run_state(gated.task_run_id, "RUNNING")
@@ -414,9 +414,9 @@ def test_a_task_queued_behind_a_long_task_runs_on_the_first_pod_that_frees_up(wo
         queued.wait(timeout=60)
         still_gated = queued.state.is_final() and not gated.state.is_final()
         gate.touch()
-        return queued.result(), queued.job_id, other.job_id, gated.job_id, still_gated
+        return queued.result(), queued.job_id, other.job_id, still_gated
 
-    result, queued_job, pod_b, gated_job, still_gated = run()
+    result, queued_job, pod_b, still_gated = run()
 
     # It ran on B while A still ran its long task, and it ran once.
     assert still_gated
@@ -426,11 +426,6 @@ def test_a_task_queued_behind_a_long_task_runs_on_the_first_pod_that_frees_up(wo
     assert queued_job in handed_to_a.read_text()
     claim = json.loads((jobs / queued_job / layout.WARM_POD_JSON).read_text())
     assert claim["pod"] == pod_b
-    pod_a = handed_to_a.parent.parent.name
-    assert (
-        f"job {queued_job} was taken back"
-        in (workdir / ".kinetic" / "pods").joinpath(f"{pod_a}.log").read_text()
-    )
 
 
 def test_a_task_queued_on_a_pod_that_dies_before_taking_it_runs_on_a_fresh_pod_as_attempt_one(
