@@ -11,6 +11,7 @@ state in the Prefect API says when it is over.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -183,10 +184,13 @@ def warm_pod_for(store: JobsStore | None, job_id: str) -> str | None:
 
     if store is None:
         return None
+    key = layout.job_file(job_id, WARM_POD_JSON)
     try:
-        return claimant(store, layout.job_file(job_id, WARM_POD_JSON))
-    except RecordError:  # written by an older release: the pod's whole log is shown
-        return None
+        return claimant(store, key)
+    except RecordError:
+        # An older release's record ("warm-acceptance"): it named the pod the same way.
+        legacy = json.loads(store.get_bytes(key))
+        return str(legacy["pod"]) if legacy.get("kind") == "warm-acceptance" else None
 
 
 async def task_log(

@@ -16,10 +16,9 @@ it is queued on a busy pod of its spec that has ended a task before (it runs) an
 has nothing queued: the waiting tasks of the spec shared among its busy pods, up to
 `handover.MAX_BATCH` to a pod, go in one assignment, written at once. The pod takes
 its next task as it reports the one before, without a look at the store in between.
-A pod claims each task before it runs it (`handover.Claim`), so the runner can take
-back a task no pod has claimed: an idle pod with nothing of its spec waiting takes the
-last queued task of the busy pod of its spec with the longest queue, or the first
-task of a pod of its spec still waiting for a node (that pod ends).
+A pod claims each task it is handed before it runs it (`handover.Claim`), so the
+runner can take back a task no pod has claimed: an idle pod with nothing of its spec
+waiting takes the last queued task of the busy pod of its spec with the longest queue.
 
 The runner learns that a task ended from its final record in its own
 `kinetic/{job_id}/` dir, or from the pod's exit. On a bucket it reads the record once
@@ -245,7 +244,11 @@ class WarmPod:
 
     def takeable(self) -> list[Placement]:
         """Its queued tasks another pod may take: those it is not known to have claimed."""
-        return [task for task in self.queued if not (task.claimed or task.moving)]
+        return [
+            task
+            for task in self.queued
+            if not (task.claimed or task.moving or task.launch.cancelled)
+        ]
 
 
 def capacity(backend: Backend) -> int | None:
@@ -404,6 +407,9 @@ class WarmPods:
                 if pod is None:
                     return False
                 queued = next(task for task in pod.queued if task.launch is launch)
+            held = queued if queued is not None else pod.placement
+            if held is not None and held.moving:
+                return True  # being taken for another pod: `_take` sees the cancel
         if queued is not None:
             try:
                 there = take_back(queued)
@@ -613,21 +619,23 @@ class WarmPods:
         started: bool = False,
     ) -> None:
         """Write `assign-{sequence}.json`: an idle pod's next task (`queued` False), or the
-        tasks queued on a busy pod to take as it ends its task. A task cancelled meanwhile
-        is taken back first, and the pod skips it: every number the pod waits for is
-        written. `started`: the tasks were started before (taken from another pod)."""
+        tasks queued on a busy pod to take as it ends its task. Tasks cancelled meanwhile
+        are left out; if that leaves none, one is taken back and written all the same
+        (the pod skips it), so every number the pod waits for is written. `started`: the
+        tasks were started before (taken from another pod)."""
+        live = [p for p in placements if started or self._post_started(p, pod.manifest)]
         for placement in placements:
-            if started or self._post_started(placement, pod.manifest):
-                continue
+            if placement not in live:
+                self._release(pod, placement)
+        if not live:
             try:
-                take_back(placement)  # a claim there already is another (ended) pod's
+                take_back(placements[0])  # a claim there already is another (ended) pod's
             except Exception:
-                # The pod could run a cancelled task: it ends, and its exit gives back the rest.
-                logger.warning("Could not take back %s", placement.launch.job_id, exc_info=True)
+                # The pod could run a cancelled task: it ends instead.
+                logger.warning("Could not take back %s", placements[0].launch.job_id)
                 self._handover_failed(pod)
                 return
-            self._release(pod, placement)
-        batch = [task_assignment(pod, placement) for placement in placements]
+        batch = [task_assignment(pod, placement) for placement in live or placements[:1]]
         try:
             pod.store.put_bytes(
                 f"{pod.warm_dir}/{warm.assignment_name(sequence)}", warm.batch_to_json(batch)
@@ -648,22 +656,29 @@ class WarmPods:
         pod.backend.cancel(pod.pod_id)
 
     def _take(self, pod: WarmPod, sequence: int, donor: WarmPod, placement: Placement) -> None:
-        """Give `pod` the task queued on `donor` once the store says no pod has claimed it;
-        else it stays where it is, and `pod` reads it and skips it."""
+        """Give `pod` the task queued on `donor` once the store says the donor has not
+        claimed it; else it stays where it is, and `pod` reads it and skips it."""
         job_id = placement.launch.job_id
+        key = layout.job_file(job_id, WARM_POD_JSON)
         failed = False
         there: warm.Claim | None = None
         try:
             there = take_back(placement, pod.pod_id, sequence)
+            if there is None and placement.launch.cancelled:
+                # Cancelled meanwhile: kept for no pod now (`pod` has not seen it yet).
+                void = warm.Claim(pod="", sequence=sequence, by_runner=True)
+                placement.store.put_bytes(key, void.encode())
         except Exception:
             logger.warning("Could not take %s from warm pod %s", job_id, donor.pod_id)
             failed = True
         moved = there is None and not failed
         with self._lock:
             placement.moving = False
-            # A claim of the runner's for `pod` may be there (when the store failed, too):
-            # given back, the task is placed again only without it.
-            placement.kept = there is None
+            # A claim of the runner's may be there (when the store failed, too): the task
+            # can no longer run under this job but on the pod it names.
+            placement.kept = placement.kept or there is None or there.by_runner
+            if failed:
+                placement.claimed = True  # not to be taken again: the donor may skip it
             if moved:
                 running = self._detach(donor, placement)
             else:
@@ -673,25 +688,26 @@ class WarmPods:
                     for task in [donor.placement, *donor.queued]:
                         if task is not None:
                             task.claimed = True
+            if failed or not moved or placement.launch.cancelled:
                 pod.placement = None
                 pod.idle_since = time.monotonic()
                 pod.retiring = pod.retiring or failed  # it has nothing: its number is unused
             donor_ended, pod_ended = donor.exit_outcome, pod.exit_outcome
         if failed:
             self._retire(pod)
-        if moved and pod_ended is not None:  # `pod` ended first: the task goes back
+        elif moved and pod_ended is not None:  # `pod` ended first: the task goes back
             self._exit_of(pod, placement, False, pod_ended, False, False)
-            return
-        if not moved and donor_ended is not None:  # the donor's exit left the task to this call
-            self._exit_of(donor, placement, True, donor_ended, False, donor.handover_failed)
+        elif not moved and donor_ended is not None:  # the donor's exit left it to this call
+            taken = took_task(donor, job_id)
+            self._exit_of(donor, placement, taken, donor_ended, False, donor.handover_failed)
         elif not moved and placement.launch.cancelled and there is not None:
             self.cancel(placement.launch)  # cancelled while it moved: end the pod that has it
         if moved:
             logger.debug("%s taken from warm pod %s", job_id, donor.pod_id)
-            if running:
-                self._schedule()
         if not failed and pod_ended is None:
             self._send(pod, sequence, [placement], queued=False, started=True)
+        if running or not moved:
+            self._schedule()
 
     def _retire(self, pod: WarmPod) -> None:
         logger.debug("Retiring idle warm pod %s to make room", pod.pod_id)
@@ -768,32 +784,19 @@ class WarmPods:
             logger.info(
                 "Warm pod %s ended before taking %s; placing it again", pod.pod_id, launch.job_id
             )
-            if self._unkeep(placement):
-                placement.claimed = False
+            if not placement.kept:
                 placement.post(launch, Unstarted(launch.job_id))
                 with self._lock:
                     if not self._closed:
                         self._waiting.appendleft(placement)
                 return
-            handover_failed = True  # a new attempt, under a new job, is launched instead
+            # The runner's claim keeps this job for a pod that will not run it: a new
+            # attempt, under a new job, is launched instead.
+            handover_failed = True
         ended = task_exit(
             outcome, launch, deadline_hit=deadline_hit, handover_failed=handover_failed
         )
         launch.in_context(placement.on_end, launch, ended)
-
-    @staticmethod
-    def _unkeep(placement: Placement) -> bool:
-        """Remove the runner's claim that kept the task for a pod that ended without taking
-        it, so that the next pod can claim it; False if the store failed."""
-        if not placement.kept:
-            return True
-        try:
-            placement.store.delete_prefix(layout.job_file(placement.launch.job_id, WARM_POD_JSON))
-        except Exception:
-            logger.warning("Could not free %s for another pod", placement.launch.job_id)
-            return False
-        placement.kept = False
-        return True
 
     def _task_ended(self, pod: WarmPod, placement: Placement, data: bytes) -> None:
         """The task's final record is there (`data`): resolve it; the pod idles unless it ends."""
@@ -810,6 +813,11 @@ class WarmPods:
             if pod.placement is not placement:
                 return  # the pod's exit got there first
             pod.placement = None
+            # Queued tasks before the one it took, it skipped: a claim of the runner's
+            # keeps them for another pod, or for none.
+            ids = [task.launch.job_id for task in pod.queued]
+            skipped = pod.queued[: ids.index(took_next)] if took_next in ids else []
+            del pod.queued[: len(skipped)]
             if not stays or pod.retiring:
                 pod.retiring = True  # the pod ends itself after such a task
                 if pod.queued and took_next == pod.queued[0].launch.job_id:
@@ -820,6 +828,9 @@ class WarmPods:
                 pod.idle_since = time.monotonic()
         logger.debug("%s ended on warm pod %s", launch.job_id, pod.pod_id)
         launch.in_context(placement.on_end, launch, PodExit(launch.job_id, 0, final_record=data))
+        for task in skipped:
+            task.kept = True
+            self._exit_of(pod, task, False, PodExit(task.launch.job_id, None), False, False)
         if end_pod:
             pod.backend.cancel(pod.pod_id)
         self._schedule()

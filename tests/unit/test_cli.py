@@ -39,3 +39,24 @@ def test_accelerators_lists_cloud_tpu_names_machine_types_and_requests() -> None
         True,
     )
     assert "v5litepod-16" in "\n".join(lines[lines.index(v5e_16) : lines.index(v5e_16) + 3])
+
+
+def test_jobs_logs_finds_a_warm_pod_from_its_claim_or_an_older_releases_record(tmp_path):
+    import json
+
+    from kinetic_prefect.cli.job_logs import warm_pod_for
+    from kinetic_prefect.common.handover import Claim, take_back
+    from kinetic_prefect.common.layout import WARM_POD_JSON, job_file
+    from kinetic_prefect.common.storage import LocalStore
+
+    store = LocalStore(tmp_path)
+    store.put_bytes(job_file("kp-a", WARM_POD_JSON), Claim(pod="kp-pod", sequence=1).encode())
+    legacy = {"kind": "warm-acceptance", "version": 1, "pod": "kp-old", "sequence": 2}
+    store.put_bytes(job_file("kp-b", WARM_POD_JSON), json.dumps(legacy).encode())
+    assert take_back(store, job_file("kp-c", WARM_POD_JSON), "", 0) is None
+
+    assert warm_pod_for(store, "kp-a") == "kp-pod"
+    assert warm_pod_for(store, "kp-b") == "kp-old"
+    assert warm_pod_for(store, "kp-c") is None  # cancelled before any pod took it
+    assert warm_pod_for(store, "kp-d") is None
+    assert warm_pod_for(None, "kp-a") is None
