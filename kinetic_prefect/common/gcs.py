@@ -295,16 +295,20 @@ class GcsStore:
             self.uploads += 1
         return self.uri(key)
 
-    def put_if_absent(self, key: str, data: bytes) -> bytes | None:
+    def put_if_absent(self, key: str, data: bytes, deadline: float | None = None) -> bytes | None:
         """Write the object only if there is none (`ifGenerationMatch=0`): None if this call
         created it, else the object that is there. A retried request whose first try
         landed is refused by GCS as well; the object then holds exactly `data`, which
-        tells the two apart."""
+        tells the two apart. `deadline`: seconds for the request and its retries."""
         from google.api_core.exceptions import PreconditionFailed
         from google.cloud.storage.retry import DEFAULT_RETRY
 
+        retry = DEFAULT_RETRY if deadline is None else DEFAULT_RETRY.with_deadline(deadline)
+        timeout = 60.0 if deadline is None else deadline
         try:
-            self._blob(key).upload_from_string(data, if_generation_match=0, retry=DEFAULT_RETRY)
+            self._blob(key).upload_from_string(
+                data, if_generation_match=0, retry=retry, timeout=timeout
+            )
         except PreconditionFailed:
             there = self.get_bytes(key)
             return None if there == data else there

@@ -131,12 +131,14 @@ def claim(store: JobsStore, key: str, pod_id: str, sequence: int) -> bool:
     return True
 
 
-def take_back(store: JobsStore, key: str, for_pod: str, sequence: int) -> Claim | None:
+def take_back(
+    store: JobsStore, key: str, for_pod: str, sequence: int, deadline: float | None = None
+) -> Claim | None:
     """As the runner, keep the task whose `warm-pod.json` is `key` for the pod `for_pod`
     (for none: ""): None if it is kept so now, else the claim that is there (a pod's, or
-    an earlier one of the runner's). Raises if the store cannot say."""
+    an earlier one of the runner's). Raises if the store cannot say within `deadline`."""
     kept = Claim(pod=for_pod, sequence=sequence, by_runner=True)
-    found = store.put_if_absent(key, kept.encode())
+    found = store.put_if_absent(key, kept.encode(), deadline)
     if found is None:
         return None
     there = Claim.decode(found, store.uri(key))

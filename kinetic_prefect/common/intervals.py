@@ -71,6 +71,9 @@ class Intervals:
     warm_max_direct_look_seconds: float = 60.0
     # How long the warm poller waits for the API's answer before it reads records itself.
     warm_api_wait_seconds: float = 2.0
+    # The most a write taking a queued task back for an idle pod may take, retries
+    # included: the warm pool waits for it before anything else of its changes.
+    warm_take_back_seconds: float = 10.0
     # Beyond the pods' grace: how long deleting a reattached Job and seeing its pod end may take.
     reattach_stop_slack_seconds: float = 60.0
 

@@ -159,8 +159,6 @@ class Placement:
     post: Post
     # A pod is known to have claimed the task: it cannot be taken back.
     claimed: bool = False
-    # Being taken back for another pod (`WarmPods._take`): its pod's exit leaves it alone.
-    moving: bool = False
     # The runner's claim keeps it for a pod that has not claimed it yet.
     kept: bool = False
 
@@ -182,7 +180,6 @@ class WarmPod:
     accepted: bool = True  # the pod is known to have taken the running task
     deadline: float | None = None
     deadline_hit: bool = False
-    exit_outcome: PodExit | None = None  # how it ended, once it has
     # Writing a task's assignment failed: the pod is being ended; if it took the task
     # anyway, the task is retried as a pod the infrastructure took away, not cancelled.
     handover_failed: bool = False
@@ -244,11 +241,7 @@ class WarmPod:
 
     def takeable(self) -> list[Placement]:
         """Its queued tasks another pod may take: those it is not known to have claimed."""
-        return [
-            task
-            for task in self.queued
-            if not (task.claimed or task.moving or task.launch.cancelled)
-        ]
+        return [task for task in self.queued if not (task.claimed or task.launch.cancelled)]
 
 
 def capacity(backend: Backend) -> int | None:
@@ -347,8 +340,8 @@ class _Actions:
     batches: list[tuple[WarmPod, int, list[Placement]]] = field(default_factory=list)
     start: list[tuple[WarmPod, Placement]] = field(default_factory=list)
     retire: list[WarmPod] = field(default_factory=list)
-    # (idle pod, its assignment number, the pod the task is taken from, the task)
-    take: list[tuple[WarmPod, int, WarmPod, Placement]] = field(default_factory=list)
+    # (idle pod, its assignment number, the task it took from a busy pod's queue)
+    take: list[tuple[WarmPod, int, Placement]] = field(default_factory=list)
 
 
 class WarmPods:
@@ -407,20 +400,19 @@ class WarmPods:
                 if pod is None:
                     return False
                 queued = next(task for task in pod.queued if task.launch is launch)
-            held = queued if queued is not None else pod.placement
-            if held is not None and held.moving:
-                return True  # being taken for another pod: `_take` sees the cancel
         if queued is not None:
             try:
                 there = take_back(queued)
             except Exception:  # the pod may run it: it ends
                 logger.warning("Could not take back %s", launch.job_id, exc_info=True)
             else:
-                if there is None:
+                owner = "" if there is None else there.pod
+                with self._lock:  # the pod that claimed it, or that the runner kept it for
+                    named = next((p for p in self._pods if p.pod_id == owner), None)
+                if there is None or (there.by_runner and named is None):
                     self._release(pod, queued)  # the pod skips it when it comes to it
                     return True
-                with self._lock:  # the pod that claimed it, or that the runner kept it for
-                    pod = next((p for p in self._pods if p.pod_id == there.pod), pod)
+                pod = named or pod
         with self._lock:
             pod.retiring = True
         pod.backend.cancel(pod.pod_id)
@@ -493,14 +485,16 @@ class WarmPods:
                 pods[pod_id].given_a_node = True
             for pod_id, donor_id in decided.take:
                 pod, donor = pods[pod_id], pods[donor_id]
-                placement = donor.takeable()[-1]
-                placement.moving = True
-                pod.sequence += 1
-                pod.current = pod.sequence
-                pod.accepted = False
-                pod.idle_since = None
-                self._busy(pod, placement, now)
-                actions.take.append((pod, pod.current, donor, placement))
+                tasks = donor.takeable()
+                if tasks and self._take_back_for(pod, donor, tasks[-1]):
+                    placement = tasks[-1]
+                    donor.queued.remove(placement)
+                    pod.sequence += 1
+                    pod.current = pod.sequence
+                    pod.accepted = False
+                    pod.idle_since = None
+                    self._busy(pod, placement, now)
+                    actions.take.append((pod, pod.current, placement))
             for pod_id, job_id in decided.hand:
                 pod, placement = pods[pod_id], waiting[job_id]
                 self._waiting.remove(placement)
@@ -539,8 +533,8 @@ class WarmPods:
             self._send(pod, sequence, [placement], queued=False)
         for pod, sequence, batch in actions.batches:
             self._send(pod, sequence, batch, queued=True)
-        for pod, sequence, donor, placement in actions.take:
-            self._take(pod, sequence, donor, placement)
+        for pod, sequence, placement in actions.take:
+            self._send(pod, sequence, [placement], queued=False, started=True)
 
     def _busy(self, pod: WarmPod, placement: Placement, now: float) -> None:
         pod.placement = placement
@@ -655,59 +649,35 @@ class WarmPods:
             pod.retiring = pod.handover_failed = True
         pod.backend.cancel(pod.pod_id)
 
-    def _take(self, pod: WarmPod, sequence: int, donor: WarmPod, placement: Placement) -> None:
-        """Give `pod` the task queued on `donor` once the store says the donor has not
-        claimed it; else it stays where it is, and `pod` reads it and skips it."""
-        job_id = placement.launch.job_id
-        key = layout.job_file(job_id, WARM_POD_JSON)
-        failed = False
-        there: warm.Claim | None = None
+    def _take_back_for(self, pod: WarmPod, donor: WarmPod, placement: Placement) -> bool:
+        """(Under the lock, so that nothing of the donor's changes meanwhile: one write,
+        within `warm_take_back_seconds`.) Keep `placement`, queued on `donor`, for the idle
+        `pod`: True unless the donor has claimed it (or the store cannot say)."""
+        deadline = placement.launch.settings.intervals.warm_take_back_seconds
+        key = layout.job_file(placement.launch.job_id, WARM_POD_JSON)
         try:
-            there = take_back(placement, pod.pod_id, sequence)
-            if there is None and placement.launch.cancelled:
-                # Cancelled meanwhile: kept for no pod now (`pod` has not seen it yet).
-                void = warm.Claim(pod="", sequence=sequence, by_runner=True)
-                placement.store.put_bytes(key, void.encode())
+            there = warm.take_back(placement.store, key, pod.pod_id, pod.sequence + 1, deadline)
         except Exception:
-            logger.warning("Could not take %s from warm pod %s", job_id, donor.pod_id)
-            failed = True
-        moved = there is None and not failed
-        with self._lock:
-            placement.moving = False
-            # A claim of the runner's may be there (when the store failed, too): the task
-            # can no longer run under this job but on the pod it names.
-            placement.kept = placement.kept or there is None or there.by_runner
-            if failed:
-                placement.claimed = True  # not to be taken again: the donor may skip it
-            if moved:
-                running = self._detach(donor, placement)
-            else:
-                running = False
-                if there is not None and there.pod == donor.pod_id and not there.by_runner:
-                    # It claims its tasks in order: it has every one before this one too.
-                    for task in [donor.placement, *donor.queued]:
-                        if task is not None:
-                            task.claimed = True
-            if failed or not moved or placement.launch.cancelled:
-                pod.placement = None
-                pod.idle_since = time.monotonic()
-                pod.retiring = pod.retiring or failed  # it has nothing: its number is unused
-            donor_ended, pod_ended = donor.exit_outcome, pod.exit_outcome
-        if failed:
-            self._retire(pod)
-        elif moved and pod_ended is not None:  # `pod` ended first: the task goes back
-            self._exit_of(pod, placement, False, pod_ended, False, False)
-        elif not moved and donor_ended is not None:  # the donor's exit left it to this call
-            taken = took_task(donor, job_id)
-            self._exit_of(donor, placement, taken, donor_ended, False, donor.handover_failed)
-        elif not moved and placement.launch.cancelled and there is not None:
-            self.cancel(placement.launch)  # cancelled while it moved: end the pod that has it
-        if moved:
-            logger.debug("%s taken from warm pod %s", job_id, donor.pod_id)
-        if not failed and pod_ended is None:
-            self._send(pod, sequence, [placement], queued=False, started=True)
-        if running or not moved:
-            self._schedule()
+            logger.warning(
+                "Could not take %s from warm pod %s", placement.launch.job_id, donor.pod_id
+            )
+            # The runner's claim may have landed all the same: the donor would then skip
+            # the task, which can no longer run under this job (`_task_ended`, `_exit_of`).
+            placement.kept = placement.claimed = True
+            return False
+        if there is None:
+            placement.kept = True
+            logger.debug("%s taken from warm pod %s", placement.launch.job_id, donor.pod_id)
+            return True
+        if there.pod == donor.pod_id and not there.by_runner:
+            # It claims its tasks in order: it has every one before this one too.
+            for task in [donor.placement, *donor.queued]:
+                if task is not None:
+                    task.claimed = True
+        else:
+            placement.kept = placement.kept or there.by_runner
+            placement.claimed = True
+        return False
 
     def _retire(self, pod: WarmPod) -> None:
         logger.debug("Retiring idle warm pod %s to make room", pod.pod_id)
@@ -719,25 +689,22 @@ class WarmPods:
             pod.idle_since = time.monotonic()
         self._schedule()
 
-    def _detach(self, pod: WarmPod, placement: Placement) -> bool:
-        """(Under the lock.) `placement` is no longer the pod's: True if it was its running
-        task, and the pod is idle now (or runs its next queued task)."""
-        if placement in pod.queued:
-            pod.queued.remove(placement)
-            return False
-        if pod.placement is not placement:
-            return False
-        if pod.queued:
-            self._promote(pod, None)
-        else:
-            pod.placement = None
-            pod.idle_since = time.monotonic()
-        return True
-
     def _release(self, pod: WarmPod, placement: Placement) -> None:
-        """`placement` was taken back from the pod: the pod skips it."""
+        """`placement` was taken back from the pod (for no pod): the pod skips it. If it was
+        the pod's running task, the pod runs its next queued one, or is idle."""
+        running = end_pod = False
         with self._lock:
-            running = self._detach(pod, placement)
+            if placement in pod.queued:
+                pod.queued.remove(placement)
+            elif pod.placement is placement:
+                running = True
+                if pod.queued:
+                    end_pod = self._promote(pod, None)
+                else:
+                    pod.placement = None
+                    pod.idle_since = time.monotonic()
+        if end_pod:
+            pod.backend.cancel(pod.pod_id)
         if running:
             self._schedule()
 
@@ -751,14 +718,9 @@ class WarmPods:
 
     def _pod_exited(self, pod: WarmPod, outcome: PodExit) -> None:
         with self._lock:
-            pod.exit_outcome = outcome
             placement, queued, accepted = pod.placement, pod.queued, pod.accepted
             deadline_hit, handover_failed = pod.deadline_hit, pod.handover_failed
             pod.placement, pod.queued = None, []
-            # A task being taken back for another pod is left to `_take`.
-            if placement is not None and placement.moving:
-                placement = None
-            queued = [task for task in queued if not task.moving]
         self._forget(pod)
         if placement is not None:
             accepted = accepted or took_task(pod, placement.launch.job_id)
@@ -893,11 +855,7 @@ class WarmPods:
                 if self._closed:
                     return
                 # A task being taken for another pod has no end to look for yet.
-                busy = [
-                    (p, p.placement)
-                    for p in self._pods
-                    if p.placement is not None and not p.placement.moving
-                ]
+                busy = [(p, p.placement) for p in self._pods if p.placement is not None]
             if not busy:
                 self._wake.wait()
                 self._wake.clear()
