@@ -292,7 +292,8 @@ class Kueue:
     def _used(self, cluster_queue: str) -> dict[tuple[str, str], float]:
         used: dict[tuple[str, str], float] = {}
         for workload in self.workloads.values():
-            if workload.admitted_to == cluster_queue:
+            # A finished or deleted Workload holds no quota, whatever it was admitted to.
+            if workload.admitted_to == cluster_queue and not workload.done:
                 for key, value in workload.usage.items():
                     used[key] = used.get(key, 0.0) + value
         return used
@@ -324,6 +325,8 @@ class Kueue:
         for name, spec in list(self.cluster_queues.items()):
             strict = spec.get("queueingStrategy") == "StrictFIFO"
             for workload in self.pending(name):
+                if workload.done or workload.admitted_to is not None:
+                    continue  # it ended, or was admitted, while this pass awaited the API
                 usage, message = self._assign(spec, workload, self._used(name))
                 if usage is None:
                     if message != workload.message:
