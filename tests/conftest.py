@@ -370,13 +370,15 @@ def cluster(
     It enforces RBAC from deployments/k8s/rbac.yaml (tests/support/kube_auth.py): a request
     it refuses fails the test unless the test set `cluster.refusals_expected`, so a
     permission the product lacks cannot hide behind a swallowed error. A case that failed
-    prints the end of each pod's log, which goes with the cluster.
+    prints the end of each pod's log, which goes with the cluster, and its Jobs, pods and
+    Kueue Workloads.
     """
     with running_cluster(tmp_path / "cluster") as emulated:
         monkeypatch.setenv("KUBECONFIG", str(emulated.kubeconfig))
         yield emulated
         if failed(request):
             emulated.kubelet.print_log_tails()
+            emulated.print_state()
         created = emulated.created_jobs()
         refusals = [] if emulated.refusals_expected else emulated.refusals()
     assert refusals == [], f"The cluster refused requests: {refusals}"

@@ -185,6 +185,34 @@ class KubeCluster:
     def pods(self, namespace: str | None = None) -> list[dict[str, Any]]:
         return self.call(lambda: self.emulator.live(PODS, namespace))
 
+    def print_state(self) -> None:
+        """Print the live Jobs and pods and the test Kueue's Workloads (for a failed case)."""
+
+        def lines() -> list[str]:
+            found = []
+            for job in self.emulator.live(JOBS, None):
+                status = job.get("status") or {}
+                true = [
+                    c.get("type")
+                    for c in status.get("conditions") or []
+                    if c.get("status") == "True"
+                ]
+                suspend = (job.get("spec") or {}).get("suspend")
+                found.append(f"Job {job['metadata']['name']}: suspend={suspend} conditions={true}")
+            for pod in self.emulator.live(PODS, None):
+                node = (pod.get("spec") or {}).get("nodeName")
+                phase = (pod.get("status") or {}).get("phase")
+                found.append(f"pod {pod['metadata']['name']}: phase={phase} node={node}")
+            for w in self.kueue.workloads.values():
+                found.append(
+                    f"Workload {w.name} of Job {w.job_name}: admitted to {w.admitted_to}, "
+                    f"done={w.done}, evicted={w.evicted is not None}, message={w.message!r}"
+                )
+            found.extend(f"test Kueue error: {error!r}" for error in self.kueue.errors)
+            return found
+
+        print("--- the cluster's Jobs, pods and Workloads ---", *self.call(lines), sep="\n")
+
     def most_at_once(
         self,
         plural: str,
