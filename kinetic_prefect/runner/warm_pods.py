@@ -301,12 +301,14 @@ def took_task(pod: WarmPod, job_id: str) -> bool:
         return True
 
 
-def take_back(placement: Placement, for_pod: str = "", sequence: int = 0) -> warm.Claim | None:
+def take_back(
+    placement: Placement, for_pod: str = "", sequence: int = 0, deadline: float | None = None
+) -> warm.Claim | None:
     """Keep `placement`'s task from the pod it was given to, for the pod `for_pod` (its
     assignment `sequence`), or for none: None if it is kept so now, else the claim there.
-    Raises if the store cannot say."""
+    Raises if the store cannot say (within `deadline`)."""
     key = layout.job_file(placement.launch.job_id, WARM_POD_JSON)
-    return warm.take_back(placement.store, key, for_pod, sequence)
+    return warm.take_back(placement.store, key, for_pod, sequence, deadline)
 
 
 def task_exit(
@@ -487,23 +489,11 @@ class WarmPods:
                 pod, donor = pods[pod_id], pods[donor_id]
                 tasks = donor.takeable()
                 if tasks and self._take_back_for(pod, donor, tasks[-1]):
-                    placement = tasks[-1]
-                    donor.queued.remove(placement)
-                    pod.sequence += 1
-                    pod.current = pod.sequence
-                    pod.accepted = False
-                    pod.idle_since = None
-                    self._busy(pod, placement, now)
-                    actions.take.append((pod, pod.current, placement))
+                    donor.queued.remove(tasks[-1])
+                    actions.take.append(self._hand_to(pod, tasks[-1], now))
             for pod_id, job_id in decided.hand:
-                pod, placement = pods[pod_id], waiting[job_id]
-                self._waiting.remove(placement)
-                pod.sequence += 1
-                pod.current = pod.sequence
-                pod.accepted = False
-                pod.idle_since = None
-                self._busy(pod, placement, now)
-                actions.hand.append((pod, pod.current, placement))
+                self._waiting.remove(waiting[job_id])
+                actions.hand.append(self._hand_to(pods[pod_id], waiting[job_id], now))
             for job_id in decided.start:
                 placement = waiting[job_id]
                 self._waiting.remove(placement)
@@ -535,6 +525,17 @@ class WarmPods:
             self._send(pod, sequence, batch, queued=True)
         for pod, sequence, placement in actions.take:
             self._send(pod, sequence, [placement], queued=False, started=True)
+
+    def _hand_to(
+        self, pod: WarmPod, placement: Placement, now: float
+    ) -> tuple[WarmPod, int, Placement]:
+        """(Under the lock.) The idle pod's next assignment is `placement`: its number."""
+        pod.sequence += 1
+        pod.current = pod.sequence
+        pod.accepted = False
+        pod.idle_since = None
+        self._busy(pod, placement, now)
+        return pod, pod.current, placement
 
     def _busy(self, pod: WarmPod, placement: Placement, now: float) -> None:
         pod.placement = placement
@@ -654,9 +655,8 @@ class WarmPods:
         within `warm_take_back_seconds`.) Keep `placement`, queued on `donor`, for the idle
         `pod`: True unless the donor has claimed it (or the store cannot say)."""
         deadline = placement.launch.settings.intervals.warm_take_back_seconds
-        key = layout.job_file(placement.launch.job_id, WARM_POD_JSON)
         try:
-            there = warm.take_back(placement.store, key, pod.pod_id, pod.sequence + 1, deadline)
+            there = take_back(placement, pod.pod_id, pod.sequence + 1, deadline)
         except Exception:
             logger.warning(
                 "Could not take %s from warm pod %s", placement.launch.job_id, donor.pod_id
