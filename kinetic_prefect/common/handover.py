@@ -52,9 +52,10 @@ def reuse_margin(uri: str) -> float:
 
 # A payload up to this size travels inside its assignment: no object of its own.
 INLINE_PAYLOAD_BYTES = 64 * 1024
-# The most tasks one assignment hands a busy pod (more would leave other pods idle at
-# the end of a map while one works through its batch).
-MAX_BATCH = 4
+# The most tasks one assignment queues on a pod. Each assignment costs a write and the
+# pod's reads; a pod idle at the end of a map takes from the longest queue instead of
+# waiting for it (`runner.warm_policy`, rule 4).
+MAX_BATCH = 32
 
 
 class Assignment(Record):

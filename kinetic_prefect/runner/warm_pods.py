@@ -176,7 +176,6 @@ class WarmPod:
     # The tasks handed to it while busy, which it takes in turn once `placement` has ended.
     queued: list[Placement] = field(default_factory=list)
     sequence: int = 0  # assignments written so far
-    current: int = 0  # the running task's assignment (0: the Job's own first task)
     accepted: bool = True  # the pod is known to have taken the running task
     deadline: float | None = None
     deadline_hit: bool = False
@@ -338,12 +337,13 @@ class _Actions:
 
     # Each with the assignment number it was given: read again later, the number could be
     # that of a later decision (the pod then waits for one never written).
-    hand: list[tuple[WarmPod, int, Placement]] = field(default_factory=list)
+    # (idle pod, its assignment number, its tasks: the one it runs next first)
+    hand: list[tuple[WarmPod, int, list[Placement]]] = field(default_factory=list)
     batches: list[tuple[WarmPod, int, list[Placement]]] = field(default_factory=list)
     start: list[tuple[WarmPod, Placement]] = field(default_factory=list)
     retire: list[WarmPod] = field(default_factory=list)
     # (idle pod, its assignment number, the task it took from a busy pod's queue)
-    take: list[tuple[WarmPod, int, Placement]] = field(default_factory=list)
+    take: list[tuple[WarmPod, int, list[Placement]]] = field(default_factory=list)
 
 
 class WarmPods:
@@ -494,6 +494,7 @@ class WarmPods:
             for pod_id, job_id in decided.hand:
                 self._waiting.remove(waiting[job_id])
                 actions.hand.append(self._hand_to(pods[pod_id], waiting[job_id], now))
+            handed = {pod.pod_id: batch for pod, _, batch in actions.hand}
             for job_id in decided.start:
                 placement = waiting[job_id]
                 self._waiting.remove(placement)
@@ -510,32 +511,35 @@ class WarmPods:
                 actions.start.append((pod, placement))
             for pod_id, job_ids in decided.queue:
                 pod = pods[pod_id]
-                pod.queued = [waiting[job_id] for job_id in job_ids]
-                pod.sequence += 1
-                for queued in pod.queued:
+                batch = [waiting[job_id] for job_id in job_ids]
+                pod.queued.extend(batch)
+                for queued in batch:
                     self._waiting.remove(queued)
-                actions.batches.append((pod, pod.sequence, list(pod.queued)))
+                if pod_id in handed:
+                    # Handed a task in this same plan: one assignment carries both.
+                    handed[pod_id].extend(batch)
+                    continue
+                pod.sequence += 1
+                actions.batches.append((pod, pod.sequence, batch))
         for victim in actions.retire:
             self._retire(victim)
         for pod, placement in actions.start:
             self._start(pod, placement)
-        for pod, sequence, placement in actions.hand:
-            self._send(pod, sequence, [placement], queued=False)
-        for pod, sequence, batch in actions.batches:
-            self._send(pod, sequence, batch, queued=True)
-        for pod, sequence, placement in actions.take:
-            self._send(pod, sequence, [placement], queued=False, started=True)
+        for pod, sequence, batch in actions.hand + actions.batches:
+            self._send(pod, sequence, batch)
+        for pod, sequence, batch in actions.take:
+            self._send(pod, sequence, batch, started=True)
 
     def _hand_to(
         self, pod: WarmPod, placement: Placement, now: float
-    ) -> tuple[WarmPod, int, Placement]:
-        """(Under the lock.) The idle pod's next assignment is `placement`: its number."""
+    ) -> tuple[WarmPod, int, list[Placement]]:
+        """(Under the lock.) The idle pod's next assignment starts with `placement`: the
+        pod, the assignment's number, and its tasks."""
         pod.sequence += 1
-        pod.current = pod.sequence
         pod.accepted = False
         pod.idle_since = None
         self._busy(pod, placement, now)
-        return pod, pod.current, placement
+        return pod, pod.sequence, [placement]
 
     def _busy(self, pod: WarmPod, placement: Placement, now: float) -> None:
         pod.placement = placement
@@ -606,18 +610,13 @@ class WarmPods:
         self._schedule()  # what waits for it may be handed to it now
 
     def _send(
-        self,
-        pod: WarmPod,
-        sequence: int,
-        placements: list[Placement],
-        queued: bool,
-        started: bool = False,
+        self, pod: WarmPod, sequence: int, placements: list[Placement], started: bool = False
     ) -> None:
-        """Write `assign-{sequence}.json`: an idle pod's next task (`queued` False), or the
-        tasks queued on a busy pod to take as it ends its task. Tasks cancelled meanwhile
-        are left out; if that leaves none, one is taken back and written all the same
-        (the pod skips it), so every number the pod waits for is written. `started`: the
-        tasks were started before (taken from another pod)."""
+        """Write `assign-{sequence}.json`: an idle pod's next task and the tasks queued
+        after it, or the tasks queued on a busy pod to take as it ends its task. Tasks
+        cancelled meanwhile are left out; if that leaves none, one is taken back and
+        written all the same (the pod skips it), so every number the pod waits for is
+        written. `started`: the tasks were started before (taken from another pod)."""
         live = [p for p in placements if started or self._post_started(p, pod.manifest)]
         for placement in placements:
             if placement not in live:
@@ -801,7 +800,6 @@ class WarmPods:
         """The pod's first queued task is its running one now (under the lock); True if the
         pod is to end, that task having been cancelled while it waited."""
         queued = pod.queued.pop(0)
-        pod.current = pod.sequence
         pod.accepted = took_next == queued.launch.job_id
         self._busy(pod, queued, time.monotonic())
         if queued.launch.cancelled:
@@ -811,16 +809,19 @@ class WarmPods:
 
     # -- the poller: task ends and deadlines of busy pods ----------------------------------
 
-    def _ended_in_api(self, due: list[tuple[WarmPod, Placement]]) -> set[Any] | None:
-        """Which due task runs' states are final in the Prefect API (one request for all of
-        them); None when each due pod's final record is to be read instead: a local store
-        (a read costs nothing), or the API did not answer within `warm_api_wait_seconds` (the
-        question stays asked; deadlines and other ends are not held up meanwhile)."""
+    def _ended_in_api(
+        self, due: list[tuple[WarmPod, Placement]], queued: list[Any]
+    ) -> set[Any] | None:
+        """Which due task runs, and which `queued` ones, have a final state in the Prefect
+        API (one request for all of them); None when each due pod's final record is to be
+        read instead: a local store (a read costs nothing), or the API did not answer
+        within `warm_api_wait_seconds` (the question stays asked; deadlines and other ends
+        are not held up meanwhile)."""
         if not due or "://" not in due[0][0].store.uri(""):
             return None
         if self._api_query is not None and not self._api_query.done():
             return None
-        ids = [placement.launch.task_run.id for _, placement in due]
+        ids = [placement.launch.task_run.id for _, placement in due] + queued
         launch = due[0][1].launch
         query: concurrent.futures.Future[set[Any]] = concurrent.futures.Future()
 
@@ -856,41 +857,59 @@ class WarmPods:
                     return
                 # A task being taken for another pod has no end to look for yet.
                 busy = [(p, p.placement) for p in self._pods if p.placement is not None]
+                # Asked about in the same request: a pod runs through its queue sooner
+                # than one end a round would be read.
+                queued = [t.launch.task_run.id for p in self._pods for t in p.queued]
             if not busy:
                 self._wake.wait()
                 self._wake.clear()
                 continue
             now = time.monotonic()
             due = [(p, pl) for p, pl in busy if pl is not None and p.next_check <= now]
-            ended = self._ended_in_api(due)
+            ended = self._ended_in_api(due, queued)
             now = time.monotonic()
             for pod, placement in due:
-                past_deadline = pod.deadline is not None and now >= pod.deadline
-                look = (
-                    ended is None
-                    or placement.launch.task_run.id in ended
-                    or now >= pod.next_look
-                    or past_deadline  # a last look before the deadline ends the pod
-                )
-                if look:
-                    pod.next_look = now + pod.direct_look_interval(now)
-                pod.next_check = min(now + pod.check_interval(now), pod.next_look)
-                if not look:
-                    continue
-                job_id = placement.launch.job_id
-                try:
-                    data = pod.store.get_bytes(layout.job_file(job_id, FINAL_STATE_JSON))
-                except FileNotFoundError:
-                    data = None
-                except Exception:
-                    logger.debug("Could not look for the end of %s", job_id, exc_info=True)
-                    continue
-                if data is not None:
-                    self._task_ended(pod, placement, data)
-                elif past_deadline and not pod.deadline_hit:
+                current: Placement | None = placement
+                # The tasks it took after this one that the API shows ended too, in turn.
+                while current is not None and self._look_for_end(pod, current, now, ended):
                     with self._lock:
-                        pod.deadline_hit = pod.retiring = True
-                    pod.backend.cancel(pod.pod_id)
+                        current = pod.placement
+                    if ended is None or current is None or current.launch.task_run.id not in ended:
+                        break
             soonest = min(p.next_check for p, _ in busy)
             self._wake.wait(max(soonest - time.monotonic(), 0.0))
             self._wake.clear()
+
+    def _look_for_end(
+        self, pod: WarmPod, placement: Placement, now: float, ended: set[Any] | None
+    ) -> bool:
+        """Read the task's final record when it is due (`ended`: the task runs the API
+        shows final, None: read regardless); True if the task ended."""
+        past_deadline = pod.deadline is not None and now >= pod.deadline
+        look = (
+            ended is None
+            or placement.launch.task_run.id in ended
+            or now >= pod.next_look
+            or past_deadline  # a last look before the deadline ends the pod
+        )
+        if look:
+            pod.next_look = now + pod.direct_look_interval(now)
+        pod.next_check = min(now + pod.check_interval(now), pod.next_look)
+        if not look:
+            return False
+        job_id = placement.launch.job_id
+        try:
+            data = pod.store.get_bytes(layout.job_file(job_id, FINAL_STATE_JSON))
+        except FileNotFoundError:
+            data = None
+        except Exception:
+            logger.debug("Could not look for the end of %s", job_id, exc_info=True)
+            return False
+        if data is not None:
+            self._task_ended(pod, placement, data)
+            return True
+        if past_deadline and not pod.deadline_hit:
+            with self._lock:
+                pod.deadline_hit = pod.retiring = True
+            pod.backend.cancel(pod.pod_id)
+        return False

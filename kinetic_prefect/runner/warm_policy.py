@@ -10,8 +10,11 @@ plan out; the rules are the module docstring of `warm_pods`, in this order:
    wants ends to make room), unless pods of its spec are starting in a slow start
    or one of them waits for capacity.
 3. Else it is queued on the busy pod of its spec that has run longest, once that
-   pod has ended a task and has nothing queued: the waiting attempts of the spec
-   shared among its pods, up to `max_batch` to a pod.
+   pod has ended a task and has nothing queued, or fewer than half of `max_batch`
+   queued while at least that many wait (so that it finds its next batch written
+   before it runs out, however far the runner lags behind its reports; a trickle of
+   attempts waits to go in one batch): the waiting attempts of the spec shared among
+   its pods, up to `max_batch` to a pod at a time.
 4. An idle pod of a spec nobody waits for takes the last queued task of the busy
    pod of its spec with the longest queue, if that pod has not claimed it.
 5. An idle pod of a spec nobody waits for, with nothing to take, ends to give its
@@ -137,27 +140,31 @@ def plan(
         live[attempt.job_id] = PodView(attempt.job_id, attempt.key, attempt.backend, True, now)
         start.append(attempt.job_id)
 
-    for attempt in list(left):
-        if attempt not in left:
-            continue  # in the batch of an earlier one
-        busy = [
-            p
-            for p in live.values()
-            if p.key == attempt.key
-            and p.busy
-            and p.proven
-            and not (p.queued or p.leaving or p.capacity_wait or p.handover_failed)
-        ]
-        if not busy:
-            continue
-        pod = min(busy, key=lambda p: p.busy_since)  # likely to end its task first
-        alike = [a for a in left if a.key == attempt.key]
-        pods_of_spec = sum(1 for p in live.values() if p.key == attempt.key and not p.ended)
-        share = alike[: min(max_batch, -(-len(alike) // max(pods_of_spec, 1)))]
-        for queued in share:
-            left.remove(queued)
-        update(pod, queued=len(share), takeable=len(share))
-        queue.append((pod.pod_id, tuple(a.job_id for a in share)))
+    half = -(-max_batch // 2)
+    queued_now: set[str] = set()  # job ids queued by this plan
+    for key in dict.fromkeys(a.key for a in left):
+        alike = [a for a in left if a.key == key]
+        pods_of_spec = sum(1 for p in live.values() if p.key == key and not p.ended)
+        while alike:
+            busy = [
+                p
+                for p in live.values()
+                if p.key == key
+                and p.busy
+                and p.proven
+                and (p.queued == 0 or (p.queued < half and len(alike) >= half))
+                and p.pod_id not in {pod_id for pod_id, _ in queue}
+                and not (p.leaving or p.capacity_wait or p.handover_failed)
+            ]
+            if not busy:
+                break
+            pod = min(busy, key=lambda p: p.busy_since)  # likely to end its task first
+            share = alike[: min(max_batch, -(-len(alike) // max(pods_of_spec, 1)))]
+            alike = alike[len(share) :]
+            queued_now.update(a.job_id for a in share)
+            update(pod, queued=pod.queued + len(share), takeable=pod.takeable + len(share))
+            queue.append((pod.pod_id, tuple(a.job_id for a in share)))
+    left = [a for a in left if a.job_id not in queued_now]
 
     wanted = {a.key for a in left}
     take: list[tuple[str, str]] = []

@@ -151,9 +151,21 @@ ROWS = {
         1,
         Plan(),
     ),
-    "nothing queued on a pod that already has a queue": (
-        [busy("p1", proven=True, queued=1)],
-        wait("j1"),
+    "more queued on a pod whose queue runs short, while half a batch waits": (
+        [busy("p1", proven=True, queued=1, takeable=1)],
+        wait(*(f"j{i}" for i in range(BATCH // 2))),
+        1,
+        Plan(queue=(("p1", tuple(f"j{i}" for i in range(BATCH // 2))),)),
+    ),
+    "nothing more queued on a pod with a queue while less than half a batch waits": (
+        [busy("p1", proven=True, queued=1, takeable=1)],
+        wait(*(f"j{i}" for i in range(BATCH // 2 - 1))),
+        1,
+        Plan(),
+    ),
+    "nothing more queued on a pod with half a batch queued": (
+        [busy("p1", proven=True, queued=BATCH // 2)],
+        wait(*(f"j{i}" for i in range(BATCH))),
         1,
         Plan(),
     ),
