@@ -176,10 +176,16 @@ class WarmLoop:
             self.task_scratch = None
 
     def serve(self, run: PodRun) -> int:
-        """Task after task in this pod until it idles out; a crash or phase failure ends it."""
+        """Task after task in this pod until it idles out; a crash or phase failure ends it.
+
+        The pod claims its first task (its Job's own) too: while the pod waited for a node,
+        the runner may have given that task to an idle pod of its spec. The pod then ends
+        at once, having run nothing (the runner has ended its Job too)."""
         run.code_root = self.base_scratch
         run.send_telemetry_before_report = True
         run.take_next = self.take_next
+        if not self.claims(run.job_dir, self.pod_id, 0):
+            return EXIT_COMPLETED
         assignment: Assignment | None = None
         while True:
             code, state = self._run_one(run, assignment)

@@ -239,8 +239,12 @@ class WarmPod:
         )
 
     def takeable(self) -> list[Placement]:
-        """Its queued tasks another pod may take: those it is not known to have claimed."""
-        return [task for task in self.queued if not (task.claimed or task.launch.cancelled)]
+        """Its tasks another pod may take: those it is not known to have claimed, of its
+        queue, or its first task while it waits for a node."""
+        tasks = [*self.queued]
+        if self.capacity_wait and self.placement is not None:
+            tasks.insert(0, self.placement)
+        return [task for task in tasks if not (task.claimed or task.launch.cancelled)]
 
 
 def capacity(backend: Backend) -> int | None:
@@ -489,7 +493,12 @@ class WarmPods:
                 pod, donor = pods[pod_id], pods[donor_id]
                 tasks = donor.takeable()
                 if tasks and self._take_back_for(pod, donor, tasks[-1]):
-                    donor.queued.remove(tasks[-1])
+                    if tasks[-1] is donor.placement:
+                        # Its own task gone, the pod waiting for a node is not needed.
+                        donor.placement, donor.retiring = None, True
+                        actions.retire.append(donor)
+                    else:
+                        donor.queued.remove(tasks[-1])
                     actions.take.append(self._hand_to(pod, tasks[-1], now))
             for pod_id, job_id in decided.hand:
                 self._waiting.remove(waiting[job_id])

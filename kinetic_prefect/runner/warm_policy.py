@@ -16,7 +16,8 @@ plan out; the rules are the module docstring of `warm_pods`, in this order:
    attempts waits to go in one batch): the waiting attempts of the spec shared among
    its pods, up to `max_batch` to a pod at a time.
 4. An idle pod of a spec nobody waits for takes the last queued task of the busy
-   pod of its spec with the longest queue, if that pod has not claimed it.
+   pod of its spec with the longest queue, if that pod has not claimed it; or the
+   task of a pod of its spec that waits for a node (which then ends).
 5. An idle pod of a spec nobody waits for, with nothing to take, ends to give its
    node to a pod of its spec that waits for capacity.
 """
@@ -51,7 +52,8 @@ class PodView:
     capacity_wait: bool = False  # not yet running: the nodes of its kind are busy
     given_a_node: bool = False
     handover_failed: bool = False
-    # Queued tasks another pod may take: those the pod is not known to have claimed.
+    # Tasks another pod may take: queued ones the pod is not known to have claimed, or
+    # its own while it waits for a node (unless it has claimed it).
     takeable: int = 0
 
     def usable_for(self, key: str, now: float) -> bool:
@@ -176,7 +178,10 @@ def plan(
             continue
         # The longest queue; of equal ones, the one behind the task that has run longest.
         donor = max(donors, key=lambda p: (p.takeable, -p.busy_since))
-        update(donor, takeable=donor.takeable - 1, queued=donor.queued - 1)
+        if donor.capacity_wait:  # its own task: it is not needed any more
+            update(donor, takeable=0, leaving=True)
+        else:
+            update(donor, takeable=donor.takeable - 1, queued=donor.queued - 1)
         update(pod, busy=True, idle_since=None, busy_since=now)
         take.append((pod.pod_id, donor.pod_id))
 
@@ -188,7 +193,9 @@ def plan(
             (
                 p
                 for p in live.values()
-                if p.key == pod.key and p.capacity_wait and not p.given_a_node and not p.ended
+                if p.key == pod.key
+                and p.capacity_wait
+                and not (p.given_a_node or p.leaving or p.ended)
             ),
             None,
         )

@@ -124,12 +124,12 @@ def test_a_small_payload_travels_in_its_assignment_and_a_large_one_through_the_s
     assert [length for _, (length, _) in ran] == [1, 2, large]
     assert len({pid for _, (_, pid) in ran}) == 1  # one warm pod ran all three
     jobs = workdir / ".kinetic" / "kinetic"
-    # The first job started the pod (which is named after it). The pod claimed each later
-    # task before it ran it. Only the first payload and the large one have an object.
+    # The first job started the pod (which is named after it). The pod claimed each task,
+    # its own first one too, before it ran it. Only the first payload and the large one
+    # have an object.
     (first,) = [path.parent.parent.name for path in jobs.glob("*/warm/assign-1.json")]
-    for job_id in [j for j, _ in ran if j != first]:
+    for job_id, _ in ran:
         assert json.loads((jobs / job_id / layout.WARM_POD_JSON).read_text())["pod"] == first
-    assert not (jobs / first / layout.WARM_POD_JSON).exists()
     for job_id, (length, _) in ran:
         uploaded = (jobs / job_id / layout.PAYLOAD_FILE).exists()
         assert uploaded == (job_id == first or length == large), (job_id, length)
@@ -575,6 +575,48 @@ def test_warm_pods_on_two_busy_nodes_share_the_map_instead_of_idling_on_their_no
     assert len(cluster.created_jobs()) <= 4
 
 
+def test_the_task_of_a_pod_waiting_for_a_node_runs_on_the_first_warm_pod_that_idles(
+    gke, cluster, gcs
+):
+    from kinetic_prefect.common.gcs import GcsStore
+    from kinetic_prefect.common.handover import Claim
+    from tests.support.kube_objects import gke_nodes
+
+    cluster.kubelet.nodes[:] = gke_nodes("l4-pool", "l4", 2)
+    runner = KineticTaskRunner(
+        cluster=gke,
+        allow_loopback_api=True,
+        accelerator="l4",
+        warm_pods=True,
+        warm_pod_idle_seconds=3600,
+    )
+
+    @flow(task_runner=runner)
+    def run() -> tuple[list[dict[str, Any]], list[str]]:
+        # Three pods start at once; one of them waits for one of the two nodes.
+        futures = note_environment.map(range(3))
+        return [f.result() for f in futures], [f.job_id for f in futures]
+
+    results, job_ids = run()
+
+    # Two pods ran the three tasks: one task went from the pod waiting for a node to a
+    # pod that had run its own task (no third cold start, no node handed over), which
+    # claimed it. Every other task its own pod claimed.
+    assert len(cluster.created_jobs()) == 3
+    pids = dict(zip(job_ids, [r["pid"] for r in results], strict=True))
+    assert len(set(pids.values())) == 2
+    store = GcsStore(gcs.uri)
+    claims = {
+        job_id: Claim.decode(store.get_bytes(layout.job_file(job_id, layout.WARM_POD_JSON)), job_id)
+        for job_id in job_ids
+    }
+    (moved,) = [job_id for job_id, claim in claims.items() if claim.pod != job_id]
+    host = claims[moved].pod
+    assert host in job_ids and pids[moved] == pids[host]
+    assert not claims[moved].by_runner
+    assert cluster.kubelet.most_bound["l4-pool"] == 2
+
+
 def test_warm_final_records_are_read_at_most_once_per_task_and_once_per_4_s_of_the_flow(
     gke, cluster, gcs
 ):
@@ -601,9 +643,9 @@ def test_warm_final_records_are_read_at_most_once_per_task_and_once_per_4_s_of_t
     # reads in 29 s were seen on a loaded machine). Reading each busy pod's record every
     # 0.5 s or so, as the runner once did, made 56 in 34 s.
     assert len(reads) <= 3 + wall / 4, (len(reads), wall)
-    # The pod claimed the second and third tasks (its first came with it): one write each.
+    # The pod claimed each task, its first too: one write each.
     claims = [name for name in gcs.names() if name.endswith(f"/{layout.WARM_POD_JSON}")]
-    assert len(claims) == 2, claims
+    assert len(claims) == 3, claims
     # Nobody looks a bucket up: google-cloud-storage does in the background unless told
     # not to, and a warm pod that put its environment back between tasks lost the setting.
     lookups = [

@@ -203,6 +203,12 @@ ROWS = {
         None,
         Plan(take=(("p1", "p3"),)),
     ),
+    "an idle pod takes the task of a pod of its spec waiting for a node, which ends": (
+        [idle("p1"), idle("p3"), busy("p2", capacity_wait=True, takeable=1)],
+        [],
+        None,
+        Plan(take=(("p1", "p2"),)),
+    ),
     "an idle pod takes a queued task of a busy pod of its spec": (
         [idle("p1"), busy("p2", proven=True, queued=2, takeable=2)],
         [],
