@@ -549,13 +549,14 @@ def test_a_map_on_the_emulated_cluster_runs_in_a_single_warm_job(gke, cluster):
     assert len(cluster.created_jobs()) == 1
 
 
-def test_warm_pods_on_two_busy_nodes_share_the_map_instead_of_idling_on_their_nodes(gke, cluster):
+def _warm_on_two_l4_nodes(gke: str, cluster: Any) -> KineticTaskRunner:
+    """Two l4 nodes, and a warm runner whose pods idle past pytest-timeout's 900 s
+    backstop: pods that waited out the idle time of the pods holding both nodes cannot
+    let a run pass."""
     from tests.support.kube_objects import gke_nodes
 
     cluster.kubelet.nodes[:] = gke_nodes("l4-pool", "l4", 2)
-    # Past pytest-timeout's 900 s backstop: pods that waited out the idle time of the pods
-    # holding both nodes could not let the run pass.
-    runner = KineticTaskRunner(
+    return KineticTaskRunner(
         cluster=gke,
         allow_loopback_api=True,
         accelerator="l4",
@@ -563,7 +564,9 @@ def test_warm_pods_on_two_busy_nodes_share_the_map_instead_of_idling_on_their_no
         warm_pod_idle_seconds=3600,
     )
 
-    @flow(task_runner=runner)
+
+def test_warm_pods_on_two_busy_nodes_share_the_map_instead_of_idling_on_their_nodes(gke, cluster):
+    @flow(task_runner=_warm_on_two_l4_nodes(gke, cluster))
     def run() -> list[int]:
         return [future.result()["x"] for future in note_environment.map(range(12))]
 
@@ -580,18 +583,8 @@ def test_the_task_of_a_pod_waiting_for_a_node_runs_on_the_first_warm_pod_that_id
 ):
     from kinetic_prefect.common.gcs import GcsStore
     from kinetic_prefect.common.handover import Claim
-    from tests.support.kube_objects import gke_nodes
 
-    cluster.kubelet.nodes[:] = gke_nodes("l4-pool", "l4", 2)
-    runner = KineticTaskRunner(
-        cluster=gke,
-        allow_loopback_api=True,
-        accelerator="l4",
-        warm_pods=True,
-        warm_pod_idle_seconds=3600,
-    )
-
-    @flow(task_runner=runner)
+    @flow(task_runner=_warm_on_two_l4_nodes(gke, cluster))
     def run() -> tuple[list[dict[str, Any]], list[str]]:
         # Three pods start at once; one of them waits for one of the two nodes.
         futures = note_environment.map(range(3))
