@@ -13,21 +13,26 @@ run one after the other in one pod.
 
 A task goes to an idle pod of its spec, else to a new pod where there is room, else
 it is queued on a busy pod of its spec that has ended a task before (it runs) and
-has nothing queued: the waiting tasks of the spec shared among its busy pods, up to
-`handover.MAX_BATCH` to a pod, go in one assignment, written at once. The pod takes
-its next task as it reports the one before, without a look at the store in between.
-A pod claims each task it is handed before it runs it (`handover.Claim`), so the
-runner can take back a task no pod has claimed: an idle pod with nothing of its spec
-waiting takes the last queued task of the busy pod of its spec with the longest queue.
+has nothing queued, or less than half a batch while half a batch waits: the waiting
+tasks of the spec shared among its busy pods, up to `handover.MAX_BATCH` to a pod, go
+in one assignment, written at once (with the task handed to an idle pod, if any).
+The pod takes its next task as it reports the one before, without a look at the
+store in between. A pod claims each task before it runs it, its first one too
+(`handover.Claim`), so the runner can take back a task no pod has claimed: an idle
+pod with nothing of its spec waiting takes the last queued task of the busy pod of
+its spec with the longest queue, or the task of a pod of its spec waiting for a node
+(whose Job then ends).
 
 The runner learns that a task ended from its final record in its own
 `kinetic/{job_id}/` dir, or from the pod's exit. On a bucket it reads the record once
 the Prefect API shows the task run's state final: one request asks about every busy
-pod's task run, at a pace that slows as tasks go on. A record is also read without
-that, every `warm_direct_look_seconds` at first and less often as a task goes on (a task
-can end without a final state: the pod failed before the engine ran; such a pod also
-exits), and for every busy pod while the API has not answered within
-`warm_api_wait_seconds` (docs/intervals.md). On a local jobs dir each look reads the records.
+pod's task run and every queued one, at a pace that slows as tasks go on; the ends
+of a pod's queued tasks that the API shows are read in the same round. A record is
+also read without that, every `warm_direct_look_seconds` at first and less often as
+a task goes on (a task can end without a final state: the pod failed before the
+engine ran; such a pod also exits), and for every busy pod while the API has not
+answered within `warm_api_wait_seconds` (docs/intervals.md). On a local jobs dir each
+look reads the records.
 A pod that exits with a task it never claimed (it idled out just as the task
 was handed to it, or died with a task queued) gives the task back: it is placed
 again, on a fresh pod if need be, without touching the retry budget. Any other
@@ -36,7 +41,8 @@ idle or not: a task that finds every slot taken and an idle pod of another spec
 retires that pod.
 
 Finite capacity. No new pod of a spec starts while one of them waits for capacity
-(nodes of its kind busy): the task runs waiting for a pod go to the pods that run.
+(nodes of its kind busy): the task runs waiting for a pod go to the pods that run,
+and the waiting pod's own task goes to the first of them that idles.
 Without `max_parallel`, new pods of a spec also start in a slow start: at most as
 many pods that have not yet ended a task as pods that have (and at least `warm_policy.RAMP`).
 """
@@ -187,7 +193,6 @@ class WarmPod:
     ended: bool = False
     proven: bool = False  # it ended a task: it runs
     capacity_wait: bool = False  # not yet running: the nodes of its kind are busy
-    given_a_node: bool = False  # an idle pod of its spec ended to make room for it
 
     busy_since: float = 0.0
     next_check: float = 0.0
@@ -233,7 +238,6 @@ class WarmPod:
             leaving=self.retiring or self.ended,
             ended=self.ended,
             capacity_wait=self.capacity_wait,
-            given_a_node=self.given_a_node,
             handover_failed=self.handover_failed,
             takeable=len(self.takeable()),
         )
@@ -487,8 +491,6 @@ class WarmPods:
             for pod_id in decided.retire:
                 pods[pod_id].retiring = True
                 actions.retire.append(pods[pod_id])
-            for pod_id in decided.given_a_node:
-                pods[pod_id].given_a_node = True
             for pod_id, donor_id in decided.take:
                 pod, donor = pods[pod_id], pods[donor_id]
                 tasks = donor.takeable()

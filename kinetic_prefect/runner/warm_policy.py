@@ -17,9 +17,8 @@ plan out; the rules are the module docstring of `warm_pods`, in this order:
    its pods, up to `max_batch` to a pod at a time.
 4. An idle pod of a spec nobody waits for takes the last queued task of the busy
    pod of its spec with the longest queue, if that pod has not claimed it; or the
-   task of a pod of its spec that waits for a node (which then ends).
-5. An idle pod of a spec nobody waits for, with nothing to take, ends to give its
-   node to a pod of its spec that waits for capacity.
+   task of a pod of its spec that waits for a node (which then ends), so no task
+   waits for a node while a pod of its spec idles on one.
 """
 
 from __future__ import annotations
@@ -50,7 +49,6 @@ class PodView:
     leaving: bool = False  # retiring or ended: it takes nothing
     ended: bool = False
     capacity_wait: bool = False  # not yet running: the nodes of its kind are busy
-    given_a_node: bool = False
     handover_failed: bool = False
     # Tasks another pod may take: queued ones the pod is not known to have claimed, or
     # its own while it waits for a node (unless it has claimed it).
@@ -76,7 +74,6 @@ class Plan:
     start: tuple[str, ...] = ()  # job ids that start a pod of their own
     queue: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (busy pod id, job ids)
     retire: tuple[str, ...] = ()  # pod ids that end
-    given_a_node: tuple[str, ...] = ()  # pods waiting for capacity an idle pod ends for
     # (idle pod id, busy pod id): the idle pod takes the last queued task of the busy one
     take: tuple[tuple[str, str], ...] = ()
 
@@ -185,23 +182,4 @@ def plan(
         update(pod, busy=True, idle_since=None, busy_since=now)
         take.append((pod.pod_id, donor.pod_id))
 
-    given: list[str] = []
-    for pod in list(live.values()):
-        if pod.busy or pod.idle_since is None or pod.key in wanted or pod.leaving:
-            continue
-        starving = next(
-            (
-                p
-                for p in live.values()
-                if p.key == pod.key
-                and p.capacity_wait
-                and not (p.given_a_node or p.leaving or p.ended)
-            ),
-            None,
-        )
-        if starving is not None:
-            update(starving, given_a_node=True)
-            update(pod, leaving=True)
-            given.append(starving.pod_id)
-            retire.append(pod.pod_id)
-    return Plan(tuple(hand), tuple(start), tuple(queue), tuple(retire), tuple(given), tuple(take))
+    return Plan(tuple(hand), tuple(start), tuple(queue), tuple(retire), tuple(take))

@@ -175,23 +175,17 @@ ROWS = {
         1,
         Plan(),
     ),
-    "an idle pod nobody wants ends for a pod of its spec waiting for capacity": (
+    "an idle pod stays beside a pod waiting for a node that has claimed its task": (
         [idle("p1"), busy("p2", capacity_wait=True)],
         [],
         None,
-        Plan(retire=("p1",), given_a_node=("p2",)),
+        Plan(),
     ),
     "an idle pod whose spec is wanted stays (it takes the attempt)": (
         [idle("p1"), busy("p2", capacity_wait=True)],
         wait("j1"),
         None,
         Plan(hand=(("p1", "j1"),)),
-    ),
-    "a pod waiting for capacity is given one node only": (
-        [idle("p1"), idle("p3"), busy("p2", capacity_wait=True)],
-        [],
-        None,
-        Plan(retire=("p1",), given_a_node=("p2",)),
     ),
     "an idle pod with a queued task to take stays, though a pod waits for capacity": (
         [
