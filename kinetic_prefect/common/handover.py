@@ -5,18 +5,20 @@ through the jobs store. A warm pod's warm dir (`common.layout.warm_dir`) receive
 `assign-{n}.json`, its n-th batch of next tasks, run in order: for each, the task's
 payload inline when it is small (else its URI) and the env that differs from the
 pod's own. The runner writes a batch (up to `MAX_BATCH` tasks) while the pod still
-runs its task when every pod of the spec is busy; to an idle pod it hands one task.
+runs its task when every pod of the spec is busy; to an idle pod it hands its next
+task, with its share of the tasks waiting after it.
 
-Every task a warm pod is handed after its first one (which came in the Job's
-arguments) is claimed before anything of it runs: the pod writes the task's
+Every task a warm pod runs, its first one (which came in the Job's arguments) too,
+is claimed before anything of it runs: the pod writes the task's
 `warm-pod.json` (`Claim`, `common.layout.WARM_POD_JSON`) only if there is none, and
 runs the task only if the claim names it. So the runner can take back a task no pod
-has started, by writing the claim first: to give a busy pod's queued task to an idle
-pod of its spec (which then claims it over the runner's claim), or to cancel it
-without ending the pod. A pod that exits has run exactly the handed tasks whose claim
-names it, and `kinetic-prefect jobs logs` finds a task's warm pod the same way. A pod
-that has its next task as it reports a task also names it in that task's final record
-(`FinalRecord.next_job`), which tells the runner that the task started.
+has started, by writing the claim first: to give a busy pod's queued task, or the
+task of a pod still waiting for a node, to an idle pod of its spec (which then claims
+it over the runner's claim), or to cancel it without ending the pod. A pod that exits
+has run exactly the handed tasks whose claim names it, and `kinetic-prefect jobs logs`
+finds a task's warm pod the same way. A pod that has its next task as it reports a
+task also names it in that task's final record (`FinalRecord.next_job`), which tells
+the runner that the task started.
 """
 
 from __future__ import annotations
