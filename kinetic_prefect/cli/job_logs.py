@@ -177,7 +177,7 @@ class ClusterJobs:
 
 def warm_pod_for(store: JobsStore | None, job_id: str) -> str | None:
     """The warm pod that claimed job `job_id` after its first task (its `warm-pod.json`),
-    if one did."""
+    if one did; None for a job its own pod ran (a warm pod claims its first task too)."""
     from kinetic_prefect.common.handover import claimant
     from kinetic_prefect.common.layout import WARM_POD_JSON
     from kinetic_prefect.errors import RecordError
@@ -186,7 +186,8 @@ def warm_pod_for(store: JobsStore | None, job_id: str) -> str | None:
         return None
     key = layout.job_file(job_id, WARM_POD_JSON)
     try:
-        return claimant(store, key)
+        pod = claimant(store, key)
+        return None if pod == job_id else pod
     except RecordError:
         # An older release's record ("warm-acceptance"): it named the pod the same way.
         legacy = json.loads(store.get_bytes(key))

@@ -40,7 +40,14 @@ from kinetic_prefect.common.handover import (
 )
 from kinetic_prefect.common.intervals import Intervals
 from kinetic_prefect.common.layout import WARM_POD_JSON
-from kinetic_prefect.pod.runner import EXIT_COMPLETED, EXIT_PHASE_FAILED, PodRun, log, run_task
+from kinetic_prefect.pod.runner import (
+    EXIT_COMPLETED,
+    EXIT_PHASE_FAILED,
+    EXIT_TASK_NOT_COMPLETED,
+    PodRun,
+    log,
+    run_task,
+)
 
 # An idle pod's looks for its next task: every `poll_seconds` at first, then less often,
 # one more `poll_seconds` apart for each `warm_idle_slowdown_seconds` idle, to MAX_SLOWDOWN
@@ -184,8 +191,14 @@ class WarmLoop:
         run.code_root = self.base_scratch
         run.send_telemetry_before_report = True
         run.take_next = self.take_next
-        if not self.claims(run.job_dir, self.pod_id, 0):
-            return EXIT_COMPLETED
+        try:
+            if not self.claims(run.job_dir, self.pod_id, 0):
+                return EXIT_COMPLETED
+        except Exception as exc:
+            # The store's own retries are spent: the task could not report either. The
+            # pod ends without running it, and the runner takes that as a crash.
+            log(f"could not claim its task, ending: {type(exc).__name__}: {exc}")
+            return EXIT_TASK_NOT_COMPLETED
         assignment: Assignment | None = None
         while True:
             code, state = self._run_one(run, assignment)

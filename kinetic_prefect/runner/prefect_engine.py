@@ -203,7 +203,7 @@ _READ_LIMIT = 200
 
 
 def ended_task_runs(task_run_ids: list[uuid.UUID]) -> set[uuid.UUID]:
-    """Those of `task_run_ids` whose state in the API is final: one request for them all."""
+    """Those of `task_run_ids` whose state in the API is final: one request for each 200."""
     from prefect import get_client
     from prefect.client.schemas.filters import (
         TaskRunFilter,

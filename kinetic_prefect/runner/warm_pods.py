@@ -26,8 +26,8 @@ its spec with the longest queue, or the task of a pod of its spec waiting for a 
 The runner learns that a task ended from its final record in its own
 `kinetic/{job_id}/` dir, or from the pod's exit. On a bucket it reads the record once
 the Prefect API shows the task run's state final: one request asks about every busy
-pod's task run and every queued one, at a pace that slows as tasks go on; the ends
-of a pod's queued tasks that the API shows are read in the same round. A record is
+pod's task run and its next few queued ones, at a pace that slows as tasks go on; the
+ends of those queued tasks that the API shows are read in the same round. A record is
 also read without that, every `warm_direct_look_seconds` at first and less often as
 a task goes on (a task can end without a final state: the pod failed before the
 engine ran; such a pod also exits), and for every busy pod while the API has not
@@ -96,6 +96,11 @@ _PER_TASK_ENV = (ATTEMPT_ENV,)
 OnEnd = Callable[["TaskLaunch", PodExit], None]
 OnPending = Callable[["TaskLaunch", str], None]
 Post = Callable[["TaskLaunch", Event], None]
+
+
+# How many of a due pod's queued tasks the poller asks the API about with its running
+# one: the ends it can read in one round.
+READ_AHEAD = 4
 
 
 def runs_warm(launch: TaskLaunch, accelerator: Accelerator) -> bool:
@@ -350,7 +355,7 @@ class _Actions:
     batches: list[tuple[WarmPod, int, list[Placement]]] = field(default_factory=list)
     start: list[tuple[WarmPod, Placement]] = field(default_factory=list)
     retire: list[WarmPod] = field(default_factory=list)
-    # (idle pod, its assignment number, the task it took from a busy pod's queue)
+    # (idle pod, its assignment number, the task it took from another pod)
     take: list[tuple[WarmPod, int, list[Placement]]] = field(default_factory=list)
 
 
@@ -629,7 +634,8 @@ class WarmPods:
         written all the same (the pod skips it), so every number the pod waits for is
         written. `started`: the tasks were started before (taken from another pod)."""
         live = [p for p in placements if started or self._post_started(p, pod.manifest)]
-        for placement in placements:
+        # Last first: a cancelled running task gives way to the first queued task left.
+        for placement in reversed(placements):
             if placement not in live:
                 self._release(pod, placement)
         if not live:
@@ -662,8 +668,9 @@ class WarmPods:
 
     def _take_back_for(self, pod: WarmPod, donor: WarmPod, placement: Placement) -> bool:
         """(Under the lock, so that nothing of the donor's changes meanwhile: one write,
-        within `warm_take_back_seconds`.) Keep `placement`, queued on `donor`, for the idle
-        `pod`: True unless the donor has claimed it (or the store cannot say)."""
+        within `warm_take_back_seconds`.) Keep `placement`, queued on `donor` (or its own
+        task while it waits for a node), for the idle `pod`: True unless the donor has
+        claimed it (or the store cannot say)."""
         deadline = placement.launch.settings.intervals.warm_take_back_seconds
         try:
             there = take_back(placement, pod.pod_id, pod.sequence + 1, deadline)
@@ -690,7 +697,7 @@ class WarmPods:
         return False
 
     def _retire(self, pod: WarmPod) -> None:
-        logger.debug("Retiring idle warm pod %s to make room", pod.pod_id)
+        logger.debug("Ending warm pod %s: idle, or waiting for a node without a task", pod.pod_id)
         pod.backend.cancel(pod.pod_id)
 
     def _free(self, pod: WarmPod) -> None:
@@ -733,7 +740,10 @@ class WarmPods:
             pod.placement, pod.queued = None, []
         self._forget(pod)
         if placement is not None:
-            accepted = accepted or took_task(pod, placement.launch.job_id)
+            # A kept task (the runner's claim is there) is the pod's only if it claimed it
+            # over that claim: for its own first task too, taken while it waited for a node.
+            if placement.kept or not accepted:
+                accepted = took_task(pod, placement.launch.job_id)
             self._exit_of(pod, placement, accepted, outcome, deadline_hit, handover_failed)
         for task in queued:
             taken = took_task(pod, task.launch.job_id)
@@ -824,7 +834,7 @@ class WarmPods:
         self, due: list[tuple[WarmPod, Placement]], queued: list[Any]
     ) -> set[Any] | None:
         """Which due task runs, and which `queued` ones, have a final state in the Prefect
-        API (one request for all of them); None when each due pod's final record is to be
+        API (one request for up to 200 of them); None when each due pod's final record is to be
         read instead: a local store (a read costs nothing), or the API did not answer
         within `warm_api_wait_seconds` (the question stays asked; deadlines and other ends
         are not held up meanwhile)."""
@@ -868,16 +878,19 @@ class WarmPods:
                     return
                 # A task being taken for another pod has no end to look for yet.
                 busy = [(p, p.placement) for p in self._pods if p.placement is not None]
-                # Asked about in the same request: a pod runs through its queue sooner
+                # Asked about in the same request: a pod runs through short tasks sooner
                 # than one end a round would be read.
-                queued = [t.launch.task_run.id for p in self._pods for t in p.queued]
+                ahead = {
+                    p.pod_id: [t.launch.task_run.id for t in p.queued[:READ_AHEAD]]
+                    for p in self._pods
+                }
             if not busy:
                 self._wake.wait()
                 self._wake.clear()
                 continue
             now = time.monotonic()
             due = [(p, pl) for p, pl in busy if pl is not None and p.next_check <= now]
-            ended = self._ended_in_api(due, queued)
+            ended = self._ended_in_api(due, [i for p, _ in due for i in ahead.get(p.pod_id, [])])
             now = time.monotonic()
             for pod, placement in due:
                 current: Placement | None = placement

@@ -74,7 +74,8 @@ class Plan:
     start: tuple[str, ...] = ()  # job ids that start a pod of their own
     queue: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (busy pod id, job ids)
     retire: tuple[str, ...] = ()  # pod ids that end
-    # (idle pod id, busy pod id): the idle pod takes the last queued task of the busy one
+    # (idle pod id, busy pod id): the idle pod takes the last queued task of the busy one,
+    # or its own task if it waits for a node
     take: tuple[tuple[str, str], ...] = ()
 
 

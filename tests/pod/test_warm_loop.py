@@ -126,3 +126,29 @@ def test_a_claim_has_one_winner_and_the_runner_cancels_only_what_no_pod_took(tmp
     assert take_back(store, "b/warm-pod.json", "", 0) is None  # the runner's own, again
     assert not claim(store, "b/warm-pod.json", "kp-1", 0)
     assert claimant(store, "b/warm-pod.json") is None
+
+
+def test_a_pod_runs_its_first_task_only_once_it_has_claimed_it(
+    tmp_path: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch
+):
+    from kinetic_prefect.pod.runner import EXIT_COMPLETED, PodRun
+
+    jobs = tmp_path / "kinetic"
+    store = LocalStore(jobs)
+    ran: list[str] = []
+    monkeypatch.setattr(warm, "run_task", lambda run, *_: ran.append(run.job_dir) or (0, None))
+
+    def serve(job_id: str) -> int:
+        loop = warm.WarmLoop(str(jobs / job_id / "warm"), 5.0)
+        loop.pod_id = job_id
+        return loop.serve(PodRun(str(jobs / job_id), "", "", "", ""))
+
+    # Taken for another pod while this one waited for a node: it ends, having run nothing.
+    assert take_back(store, f"kp-late/{WARM_POD_JSON}", "kp-idle", 1) is None
+    assert serve("kp-late") == EXIT_COMPLETED
+    assert ran == []
+    assert claimant(store, f"kp-late/{WARM_POD_JSON}") is None  # still kept for kp-idle
+    # Its own: claimed, then run (and the pod idles out after it).
+    assert serve("kp-own") == EXIT_COMPLETED
+    assert ran == [str(jobs / "kp-own")]
+    assert claimant(store, f"kp-own/{WARM_POD_JSON}") == "kp-own"

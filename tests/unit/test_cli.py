@@ -54,9 +54,11 @@ def test_jobs_logs_finds_a_warm_pod_from_its_claim_or_an_older_releases_record(t
     legacy = {"kind": "warm-acceptance", "version": 1, "pod": "kp-old", "sequence": 2}
     store.put_bytes(job_file("kp-b", WARM_POD_JSON), json.dumps(legacy).encode())
     assert take_back(store, job_file("kp-c", WARM_POD_JSON), "", 0) is None
+    store.put_bytes(job_file("kp-e", WARM_POD_JSON), Claim(pod="kp-e", sequence=0).encode())
 
     assert warm_pod_for(store, "kp-a") == "kp-pod"
     assert warm_pod_for(store, "kp-b") == "kp-old"
     assert warm_pod_for(store, "kp-c") is None  # cancelled before any pod took it
     assert warm_pod_for(store, "kp-d") is None
+    assert warm_pod_for(store, "kp-e") is None  # its own pod's first task: follow that pod
     assert warm_pod_for(None, "kp-a") is None

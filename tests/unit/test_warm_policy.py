@@ -139,6 +139,18 @@ ROWS = {
         2,
         Plan(queue=(("p2", ("j1", "j2", "j3")), ("p1", ("j4",)))),
     ),
+    "a pod handed a task as it idles gets its share of the rest in the same plan": (
+        [idle("p1")],
+        wait(*(f"j{i}" for i in range(6))),
+        1,
+        Plan(hand=(("p1", "j0"),), queue=(("p1", ("j1", "j2", "j3", "j4")),)),
+    ),
+    "the rest shared among the busy pods, the one that has run longest first": (
+        [idle("p1"), busy("p2", proven=True)],
+        wait(*(f"j{i}" for i in range(7))),
+        2,
+        Plan(hand=(("p1", "j0"),), queue=(("p2", ("j1", "j2", "j3")), ("p1", ("j4", "j5")))),
+    ),
     "at most a batch to one pod": (
         [busy("p1", proven=True)],
         wait(*(f"j{i}" for i in range(6))),
