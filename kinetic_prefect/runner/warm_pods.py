@@ -99,8 +99,9 @@ Post = Callable[["TaskLaunch", Event], None]
 
 
 # How many of a due pod's queued tasks the poller asks the API about with its running
-# one: the ends it can read in one round.
-READ_AHEAD = 4
+# one (the ends it can read in one round): the half batch a pod may run through before
+# the runner writes it more.
+READ_AHEAD = warm.MAX_BATCH // 2
 
 
 def runs_warm(launch: TaskLaunch, accelerator: Accelerator) -> bool:
