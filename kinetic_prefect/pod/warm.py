@@ -129,8 +129,10 @@ class WarmLoop:
 
     def take_next(self) -> str | None:
         """Before the task's report: claim the next task if the pod has it or the runner has
-        written it already (the report then names its job)."""
-        self.taken = self._look_again()
+        written it already (the report then names its job). Not at its first report: the
+        runner writes a pod assignments only once it has read a report of it."""
+        first_report = self.sequence == 0 and not self.batch
+        self.taken = None if first_report else self._look_again()
         return self.taken.job_id if self.taken is not None else None
 
     def _look_again(self) -> Assignment | None:

@@ -103,7 +103,6 @@ def test_a_pod_claims_each_task_and_skips_one_the_runner_took_back(
     store = LocalStore(tmp_path / "kinetic")
     assert take_back(store, f"kp-1/{WARM_POD_JSON}", "kp-other", 1) is None
 
-    assert loop.take_next() == "kp-0"
     assert loop.wait_for_assignment() == batch[0]
     assert loop.take_next() == "kp-2"  # kp-1 is kept for another pod
     assert claimant(store, f"kp-0/{WARM_POD_JSON}") == "kp-pod"
@@ -152,3 +151,22 @@ def test_a_pod_runs_its_first_task_only_once_it_has_claimed_it(
     assert serve("kp-own") == EXIT_COMPLETED
     assert ran == [str(jobs / "kp-own")]
     assert claimant(store, f"kp-own/{WARM_POD_JSON}") == "kp-own"
+
+
+def test_a_pod_looks_for_its_next_task_at_each_report_but_its_first(
+    tmp_path: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch
+):
+    loop, looks = _counting_loop(tmp_path, 60.0, monkeypatch)
+    loop.pod_id = "kp-pod"
+    batch = [_task(tmp_path, "kp-1")]
+
+    # Its first report: nothing can be written for it yet, so it does not look.
+    assert loop.take_next() is None
+    assert looks == []
+    (tmp_path / assignment_name(1)).write_bytes(batch_to_json(batch))
+    assert loop.wait_for_assignment() == batch[0]
+    # Later reports look, and take what the runner queued meanwhile.
+    (tmp_path / assignment_name(2)).write_bytes(batch_to_json([_task(tmp_path, "kp-2")]))
+    looked = len(looks)
+    assert loop.take_next() == "kp-2"
+    assert len(looks) == looked + 1
