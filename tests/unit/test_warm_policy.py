@@ -298,3 +298,33 @@ def test_room_and_the_pod_to_retire_for_a_cold_pod() -> None:
     assert retirable(pods, "gke") == pods[2]
     assert retirable(pods[:1], "gke") is None
     assert retirable(pods, "local") is None
+
+
+def test_a_plan_takes_only_what_a_pod_may_give_and_gives_each_idle_pod_one_thing() -> None:
+    """Across a grid of idle pods, busy pods with queues, pods waiting for a node and
+    waiting attempts: an idle pod is handed, or takes, at most one task; a pod gives no
+    more than it may (a pod waiting for a node, its own task only); nothing is queued on
+    a pod waiting for a node; and no attempt is placed twice."""
+    for n_idle in range(3):
+        for queued in range(4):
+            for n_starving in range(3):
+                for n_waiting in range(0, 2 * BATCH, 3):
+                    pods = (
+                        [idle(f"i{i}") for i in range(n_idle)]
+                        + [busy("b0", proven=True, queued=queued, takeable=queued)]
+                        + [busy(f"s{i}", capacity_wait=True, takeable=1) for i in range(n_starving)]
+                    )
+                    waiting = wait(*(f"j{i}" for i in range(n_waiting)))
+                    got = plan(pods, waiting, {"gke": None}, NOW, max_batch=BATCH)
+                    given = {p.pod_id: p.takeable for p in pods}
+                    takers = [pod for pod, _ in got.take] + [pod for pod, _ in got.hand]
+                    assert len(takers) == len(set(takers)) and set(takers) <= {
+                        p.pod_id for p in pods if not p.busy
+                    }, got
+                    for donor in {d for _, d in got.take}:
+                        assert sum(d == donor for _, d in got.take) <= given[donor], got
+                    starving = {p.pod_id for p in pods if p.capacity_wait}
+                    assert not starving & {pod for pod, _ in got.queue}, got
+                    placed = [j for _, j in got.hand] + list(got.start)
+                    placed += [j for _, batch in got.queue for j in batch]
+                    assert len(placed) == len(set(placed)), got
