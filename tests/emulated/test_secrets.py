@@ -245,3 +245,45 @@ def test_two_runners_with_different_api_keys_in_one_namespace_each_give_pods_the
     }
     assert len(created) == 2
     assert [cluster.secret("default", name) for name in created] == [None, None]
+
+
+def test_a_pod_whose_secret_is_not_there_yet_waits_and_runs_once_it_is(cluster):
+    """As a kubelet retries a pod whose Secret it could not fetch (the test kubelet's rule,
+    docs/testing.md): the gke backend relies on it when a Secret collected with the last
+    Job that owned it is created again for the next one."""
+    import base64
+
+    from tests.support.waiting import wait_until
+
+    name = "waits-for-its-secret"
+    cluster.kubelet.faults_by_job[name] = "hang"
+    env = [{"name": "T", "valueFrom": {"secretKeyRef": {"name": "comes-later", "key": "t"}}}]
+    pod_spec = {
+        "restartPolicy": "Never",
+        "containers": [{"name": "main", "image": "busybox", "env": env}],
+    }
+    job = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": name},
+        "spec": {"template": {"metadata": {"labels": {"app": "waits"}}, "spec": pod_spec}},
+    }
+    cluster.create("/apis/batch/v1/namespaces/default/jobs", job)
+
+    def state() -> tuple[str | None, str | None]:
+        (pod,) = cluster.pods() or [{}]
+        status = pod.get("status") or {}
+        waiting = ((status.get("containerStatuses") or [{}])[0].get("state") or {}).get("waiting")
+        return status.get("phase"), (waiting or {}).get("reason")
+
+    wait_until(
+        lambda: state()[1] == "CreateContainerConfigError", 30, "the pod to wait for its Secret"
+    )
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "comes-later"},
+        "data": {"t": base64.b64encode(b"token").decode()},
+    }
+    cluster.create("/api/v1/namespaces/default/secrets", secret)
+    wait_until(lambda: state()[0] == "Running", 30, "the pod to run once its Secret exists")

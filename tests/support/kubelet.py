@@ -193,6 +193,8 @@ class Kubelet:
         self._ttl_timers: dict[str, asyncio.Task[Any]] = {}
         # Unschedulable Jobs, in creation order, until capacity frees for them.
         self._waiting: list[_Pod] = []
+        # Pods whose container waits for a Secret its env names (CreateContainerConfigError).
+        self._config_waiting: list[_Pod] = []
         # Nodes the autoscaler is adding, by pool; they join once allowed (`hold_scale_ups`).
         self._scaling: dict[str, int] = {}
         self._scale_ups_allowed: asyncio.Event | None = None
@@ -251,6 +253,8 @@ class Kubelet:
                         self._on_job(event["type"], event["object"])
                     elif resource.plural == "services":
                         self.runtime.dns_changed()  # the cluster's DNS follows Services
+                    elif resource.plural == "secrets" and event["type"] != "DELETED":
+                        self._retry_config_waiting()
         finally:
             # The cluster is going away: work still in flight (a pod being ended, a TTL
             # timer) stops here, before the session it talks through is closed.
@@ -411,9 +415,12 @@ class Kubelet:
         try:
             values = self._secret_values(pod, template["spec"])
         except KeyError as exc:
+            # The kubelet tries again to run a pod whose Secret it could not fetch: here as
+            # soon as a Secret is written (`_retry_config_waiting`).
             await self._pod_status(
                 pod, waiting_status(image, "CreateContainerConfigError", str(exc))
             )
+            self._config_waiting.append(pod)
             return
         log = self.workspace / f"{job_name}.log"
         for index, name in enumerate(pod.names):
@@ -593,6 +600,18 @@ class Kubelet:
             node.release(requests)
         pod.nodes = []
         self._schedule_waiting()
+
+    def _retry_config_waiting(self) -> None:
+        """A Secret was written: start again the pods that waited for one."""
+        waiting, self._config_waiting = self._config_waiting, []
+        for pod in waiting:
+            self._spawn(self._retry_start(pod))
+
+    async def _retry_start(self, pod: _Pod) -> None:
+        async with pod.lock:
+            if pod.terminating or pod.deadline_exceeded or pod.running:
+                return
+            await self._run(pod)
 
     def _schedule_waiting(self) -> None:
         """Bind the waiting Jobs that fit now, in creation order (no await: no one jumps in)."""
@@ -810,6 +829,8 @@ class Kubelet:
     async def _remove(self, pod: _Pod) -> None:
         if pod in self._waiting:
             self._waiting.remove(pod)
+        if pod in self._config_waiting:
+            self._config_waiting.remove(pod)
         self._unbind(pod)
         for name in pod.names:
             self.emulator.finished_logs.add((pod.namespace, name))
