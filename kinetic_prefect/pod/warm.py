@@ -154,8 +154,9 @@ class WarmLoop:
         started = time.monotonic()
         deadline = started + self.idle_seconds
         base = poll_seconds(self.warm_dir)
-        # No look at once: the pod looked just before its report, and the runner hands
-        # the next task only after it has read that report.
+        # No look at once: the pod looked just before its report (or, at its first, knew
+        # there was nothing), and the runner hands the next task only after it has read
+        # that report.
         time.sleep(base)
         while (task := self._look_again()) is None:
             now = time.monotonic()

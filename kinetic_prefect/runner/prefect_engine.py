@@ -199,7 +199,7 @@ def recorded_run_count(task_run_id: uuid.UUID) -> int:
 
 
 # Prefect's API answers at most 200 runs per read (PREFECT_API_DEFAULT_LIMIT's default).
-_READ_LIMIT = 200
+READ_LIMIT = 200
 
 
 def ended_task_runs(task_run_ids: list[uuid.UUID]) -> set[uuid.UUID]:
@@ -215,8 +215,8 @@ def ended_task_runs(task_run_ids: list[uuid.UUID]) -> set[uuid.UUID]:
 
     ended: set[uuid.UUID] = set()
     with get_client(sync_client=True) as client:
-        for start in range(0, len(task_run_ids), _READ_LIMIT):
-            chunk = task_run_ids[start : start + _READ_LIMIT]
+        for start in range(0, len(task_run_ids), READ_LIMIT):
+            chunk = task_run_ids[start : start + READ_LIMIT]
             runs = client.read_task_runs(
                 task_run_filter=TaskRunFilter(
                     id=TaskRunFilterId(any_=chunk),

@@ -26,8 +26,9 @@ its spec with the longest queue, or the task of a pod of its spec waiting for a 
 The runner learns that a task ended from its final record in its own
 `kinetic/{job_id}/` dir, or from the pod's exit. On a bucket it reads the record once
 the Prefect API shows the task run's state final: one request asks about every busy
-pod's task run and its next few queued ones, at a pace that slows as tasks go on; the
-ends of those queued tasks that the API shows are read in the same round. A record is
+pod's task run and up to half a batch of its queued ones (fewer when many pods are
+due), at a pace that slows as tasks go on; the ends of those queued tasks that the API
+shows are read in the same round. A record is
 also read without that, every `warm_direct_look_seconds` at first and less often as
 a task goes on (a task can end without a final state: the pod failed before the
 engine ran; such a pod also exits), and for every busy pod while the API has not
@@ -835,10 +836,10 @@ class WarmPods:
         self, due: list[tuple[WarmPod, Placement]], queued: list[Any]
     ) -> set[Any] | None:
         """Which due task runs, and which `queued` ones, have a final state in the Prefect
-        API (one request for up to 200 of them); None when each due pod's final record is to be
-        read instead: a local store (a read costs nothing), or the API did not answer
-        within `warm_api_wait_seconds` (the question stays asked; deadlines and other ends
-        are not held up meanwhile)."""
+        API (one request for up to `prefect_engine.READ_LIMIT` of them); None when each due
+        pod's final record is to be read instead: a local store (a read costs nothing), or
+        the API did not answer within `warm_api_wait_seconds` (the question stays asked;
+        deadlines and other ends are not held up meanwhile)."""
         if not due or "://" not in due[0][0].store.uri(""):
             return None
         if self._api_query is not None and not self._api_query.done():
@@ -891,7 +892,10 @@ class WarmPods:
                 continue
             now = time.monotonic()
             due = [(p, pl) for p, pl in busy if pl is not None and p.next_check <= now]
-            ended = self._ended_in_api(due, [i for p, _ in due for i in ahead.get(p.pod_id, [])])
+            # As many queued tasks as one request still has room for.
+            each = max(0, (prefect_engine.READ_LIMIT - len(due)) // max(len(due), 1))
+            queued = [i for p, _ in due for i in ahead.get(p.pod_id, [])[:each]]
+            ended = self._ended_in_api(due, queued)
             now = time.monotonic()
             for pod, placement in due:
                 current: Placement | None = placement

@@ -416,11 +416,12 @@ class Kubelet:
             values = self._secret_values(pod, template["spec"])
         except KeyError as exc:
             # The kubelet tries again to run a pod whose Secret it could not fetch: here as
-            # soon as a Secret is written (`_retry_config_waiting`).
+            # soon as a Secret is written (`_retry_config_waiting`; listed before the status
+            # is written, so a Secret written meanwhile is not missed).
+            self._config_waiting.append(pod)
             await self._pod_status(
                 pod, waiting_status(image, "CreateContainerConfigError", str(exc))
             )
-            self._config_waiting.append(pod)
             return
         log = self.workspace / f"{job_name}.log"
         for index, name in enumerate(pod.names):
@@ -551,8 +552,9 @@ class Kubelet:
             if pod.running:
                 self._stop_containers(pod)  # `_container_ended` fails the Job
                 return
-            if pod in self._waiting:
-                self._waiting.remove(pod)
+            for waiting in (self._waiting, self._config_waiting):
+                if pod in waiting:
+                    waiting.remove(pod)
             await self._fail_past_deadline(pod)
 
     async def _mount_failed(self, pod: _Pod, image: str, message: str) -> None:
