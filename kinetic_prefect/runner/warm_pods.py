@@ -702,12 +702,6 @@ class WarmPods:
         logger.debug("Ending warm pod %s: idle, or waiting for a node without a task", pod.pod_id)
         pod.backend.cancel(pod.pod_id)
 
-    def _free(self, pod: WarmPod) -> None:
-        with self._lock:
-            pod.placement = None
-            pod.idle_since = time.monotonic()
-        self._schedule()
-
     def _release(self, pod: WarmPod, placement: Placement) -> None:
         """`placement` was taken back from the pod (for no pod): the pod skips it. If it was
         the pod's running task, the pod runs its next queued one, or is idle."""
